@@ -1,0 +1,47 @@
+"""The ``tokenfleet`` command: one entry point for every part of the project.
+
+Each subcommand lives in the module of its concept and is imported only when
+it is run, so the operator image needs no torch and the serving image needs
+no Kubernetes client.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand path -> (module, function, one-line help). Every target takes argv.
+COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
+    ("cluster", "up"): ("tokenfleet_localcluster.cli", "up", "start a local control plane with KWOK nodes"),
+    ("cluster", "down"): ("tokenfleet_localcluster.cli", "down", "stop a local control plane started by 'cluster up'"),
+    ("cluster", "kubeconfig-for"): ("tokenfleet_localcluster.cli", "kubeconfig_for", "write a kubeconfig for a ServiceAccount (TokenRequest)"),
+    ("demo",): ("tokenfleet_localcluster.demo", "main", "the end-to-end local demo"),
+    ("crds",): ("tokenfleet_operator.crdgen", "main", "write crds/*.yaml from the pydantic models (--check for drift)"),
+    ("operator",): ("tokenfleet_operator.main", "main", "run the Kopf operator"),
+    ("serve",): ("tokenfleet_serving.server.main", "main", "serve a model over the OpenAI-compatible API"),
+    ("bench", "engine"): ("tokenfleet_serving.bench.engine", "main", "engine throughput and prefix-cache benchmark"),
+    ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),
+    ("bench", "placement"): ("tokenfleet_operator.bench_placement", "main", "gang placement benchmark"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: tokenfleet COMMAND [ARGS...]", "", "commands:"]
+    for path, (_, _, text) in COMMANDS.items():
+        lines.append(f"  {' '.join(path):<24} {text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for length in (2, 1):
+        key = tuple(argv[:length])
+        if key in COMMANDS:
+            module, func, _ = COMMANDS[key]
+            result = getattr(importlib.import_module(module), func)(argv[length:])
+            return int(result or 0)
+    print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

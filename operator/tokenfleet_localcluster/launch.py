@@ -1,0 +1,175 @@
+"""What the local pod runner executes for a pod: a pure function of the pod.
+
+A container runtime would start the image; the local runner instead runs the
+container's command as a process on this machine. This module turns a pod
+(a plain dict as the API server returns it) into the processes to start:
+argv with ``$(VAR)`` expansion as the kubelet does it, the environment
+(literal values and the downward API), host paths for volume mounts, and the
+readiness probe to poll.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+
+# Variables of the runner's own environment that a local process needs to
+# find its interpreter and packages; everything else comes from the pod.
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR",
+                 "OMP_NUM_THREADS", "TOKENFLEET_BIN_DIR")
+
+
+class LaunchError(ValueError):
+    """The pod asks for something the local runner cannot do."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: str                 # "http" | "tcp"
+    port: int
+    path: str = "/"
+    initial_delay: float = 0.0
+    period: float = 1.0
+    timeout: float = 1.0
+    failure_threshold: int = 3
+
+
+@dataclass(frozen=True)
+class ContainerLaunch:
+    name: str
+    image: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    readiness: Probe | None = None
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: unknown references stay as written, ``$$`` escapes."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        return env.get(name, m.group(0))
+    return _VAR.sub(sub, value)
+
+
+def _field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    values = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
+        "status.podIP": pod_ip,
+        "status.hostIP": host_ip,
+    }
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if m:
+        return meta.get(m.group(1), {}).get(m.group(2), "")
+    if path not in values:
+        raise LaunchError(f"env fieldRef.fieldPath {path!r} is not supported by the local runner")
+    return values[path]
+
+
+def _probe(container: dict, pod_ip: str) -> Probe | None:
+    p = container.get("readinessProbe")
+    if not p:
+        return None
+    ports = {cp.get("name"): cp["containerPort"] for cp in container.get("ports", []) if cp.get("name")}
+
+    def port_of(v) -> int:
+        if isinstance(v, int):
+            return v
+        if isinstance(v, str) and v.isdigit():
+            return int(v)
+        if v in ports:
+            return ports[v]
+        raise LaunchError(f"container {container['name']!r}: readinessProbe port {v!r} names no containerPort")
+
+    common = dict(initial_delay=float(p.get("initialDelaySeconds", 0)), period=float(p.get("periodSeconds", 10)),
+                  timeout=float(p.get("timeoutSeconds", 1)), failure_threshold=int(p.get("failureThreshold", 3)))
+    if "httpGet" in p:
+        return Probe("http", port_of(p["httpGet"]["port"]), p["httpGet"].get("path", "/"), **common)
+    if "tcpSocket" in p:
+        return Probe("tcp", port_of(p["tcpSocket"]["port"]), **common)
+    raise LaunchError(f"container {container['name']!r}: only httpGet and tcpSocket readiness probes are supported")
+
+
+def _path_map(pod: dict, container: dict, scratch: str) -> list[tuple[str, str]]:
+    """(mountPath, local path) pairs, longest mountPath first."""
+    volumes = {v["name"]: v for v in pod.get("spec", {}).get("volumes", [])}
+    pairs = []
+    for m in container.get("volumeMounts", []):
+        v = volumes.get(m["name"])
+        if v is None:
+            raise LaunchError(f"volumeMount {m['name']!r} names no volume")
+        if "hostPath" in v:
+            local = v["hostPath"]["path"]
+        elif "emptyDir" in v:
+            local = f"{scratch}/volumes/{m['name']}"
+        else:
+            continue  # configMap/secret/projected volumes: not materialised locally
+        if m.get("subPath"):
+            local = f"{local.rstrip('/')}/{m['subPath']}"
+        pairs.append((m["mountPath"].rstrip("/") or "/", local))
+    return sorted(pairs, key=lambda p: -len(p[0]))
+
+
+def _map_paths(value: str, pairs: list[tuple[str, str]]) -> str:
+    for mount, local in pairs:
+        if value == mount or value.startswith(mount + "/"):
+            return local + value[len(mount):]
+        if "=" in value:  # --flag=/mount/path
+            k, _, v = value.partition("=")
+            if v == mount or v.startswith(mount + "/"):
+                return f"{k}={local}{v[len(mount):]}"
+    return value
+
+
+def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str, str], scratch: str,
+                       image_prefix: str, lookup=None) -> list[ContainerLaunch]:
+    """The processes the runner starts for ``pod``: one per container of our image.
+
+    ``lookup(kind, namespace, name, key)`` resolves configMapKeyRef/secretKeyRef.
+    """
+    ns = pod.get("metadata", {}).get("namespace", "default")
+    out = []
+    for c in pod.get("spec", {}).get("containers", []):
+        if not c.get("image", "").startswith(image_prefix):
+            continue
+        pairs = _path_map(pod, c, scratch)
+        env = {k: base_env[k] for k in INHERITED_ENV if k in base_env}
+        env.update({"HOSTNAME": pod["metadata"]["name"], "POD_IP": pod_ip})
+        for e in c.get("env", []):
+            name = e["name"]
+            if "value" in e:
+                env[name] = _map_paths(expand(e["value"], env), pairs)
+            elif "valueFrom" in e:
+                src = e["valueFrom"]
+                if "fieldRef" in src:
+                    env[name] = _field_ref(pod, src["fieldRef"]["fieldPath"], pod_ip, host_ip)
+                elif "configMapKeyRef" in src or "secretKeyRef" in src:
+                    kind = "configmap" if "configMapKeyRef" in src else "secret"
+                    ref = src.get("configMapKeyRef") or src.get("secretKeyRef")
+                    if lookup is None:
+                        raise LaunchError(f"env {name!r}: no way to resolve {kind} references")
+                    value = lookup(kind, ns, ref["name"], ref["key"])
+                    if value is None and not ref.get("optional"):
+                        raise LaunchError(f"env {name!r}: {kind} {ref['name']!r} has no key {ref['key']!r}")
+                    if value is not None:
+                        env[name] = value
+                # resourceFieldRef: no meaningful local value; leave unset.
+            else:
+                env[name] = ""
+        argv = [expand(a, env) for a in (c.get("command") or ["tokenfleet"]) + (c.get("args") or [])]
+        argv = [_map_paths(a, pairs) for a in argv]
+        if argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
+            # The image's entrypoint: run the same CLI from this environment.
+            argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]
+        cwd = _map_paths(c["workingDir"], pairs) if c.get("workingDir") else scratch
+        out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip)))
+    return out

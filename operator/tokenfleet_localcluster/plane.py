@@ -1,0 +1,348 @@
+"""A real Kubernetes control plane as local processes.
+
+``LocalCluster(dir).up()`` starts etcd, kube-apiserver (RBAC, ServiceAccount
+tokens, PodSecurity admission), kube-controller-manager, kube-scheduler, KWOK
+and tokenfleet's local pod runner on free loopback ports, waits until each is
+healthy, and writes ``<dir>/admin.kubeconfig``. Every process is recorded in
+``<dir>/state.json`` by pid so that ``down()`` — from this process or another
+one — stops exactly what was started and nothing else.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import binaries, kwok_stages
+from .nodes import NodePool, node_manifests
+from .pki import Pki, create_pki
+
+# Pods' not-ready/unreachable tolerations (normally 300 s) and the node
+# monitor grace period are shortened so node-failure tests take seconds.
+TOLERATION_SECONDS = 5
+NODE_MONITOR_GRACE = "10s"
+KWOK_POD_CIDR = "127.1.0.0/16"
+RUNNER_POD_CIDR = "127.2.0.0/16"
+SERVING_IMAGE_PREFIX = "tokenfleet/serving"
+
+
+class PlaneError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM the child when its parent dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class LocalCluster:
+    dir: Path
+    pools: list[NodePool] = field(default_factory=list)
+    tie_to_parent: bool = False   # for test fixtures: children die with the test process
+    log: callable = print
+
+    def __post_init__(self):
+        self.dir = Path(self.dir).resolve()
+
+    # ------------------------------------------------------------------ paths
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "admin.kubeconfig"
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    def state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {"processes": {}}
+
+    def _save(self, state: dict) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    # ------------------------------------------------------------- processes
+    def _start(self, state: dict, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        logs = self.dir / "logs"
+        logs.mkdir(exist_ok=True)
+        out = open(logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.dir,
+            start_new_session=True, env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent if self.tie_to_parent else None)
+        out.close()
+        state["processes"][name] = {"pid": proc.pid, "log": str(logs / f"{name}.log"), "cmd": cmd}
+        self._save(state)
+        return proc
+
+    def _wait(self, name: str, proc: subprocess.Popen, check, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise PlaneError(f"{name} exited with {proc.returncode}:\n{self._tail(name)}")
+            try:
+                if check():
+                    return
+            except Exception as e:  # not up yet
+                last = e
+            time.sleep(0.3)
+        raise PlaneError(f"{name} not healthy after {timeout:.0f}s ({last}):\n{self._tail(name)}")
+
+    def _tail(self, name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # ----------------------------------------------------------------- health
+    @staticmethod
+    def _get(url: str, ctx: ssl.SSLContext | None = None) -> tuple[int, str]:
+        with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
+            return r.status, r.read().decode()
+
+    def _admin_ctx(self, pki: Pki) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(pki.ca_crt))
+        ctx.load_cert_chain(str(pki.admin_crt), str(pki.admin_key))
+        return ctx
+
+    @staticmethod
+    def _insecure_ctx() -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    # --------------------------------------------------------------------- up
+    def up(self) -> "LocalCluster":
+        if any(pid_alive(p["pid"]) for p in self.state()["processes"].values()):
+            raise PlaneError(f"a control plane is already running in {self.dir}; run 'tokenfleet cluster down --dir {self.dir}' first")
+        t0 = time.monotonic()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        bins = binaries.ensure_built()
+        b = lambda n: str(bins / n)  # noqa: E731
+        pki = create_pki(self.dir / "pki")
+        ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "kcm", "scheduler", "kwok")}
+        state = {"processes": {}, "ports": ports, "kubeconfig": str(self.kubeconfig), "bin_dir": str(bins)}
+        self._save(state)
+        try:
+            self._up(state, b, pki, ports)
+        except BaseException:
+            self.down()
+            raise
+        self.log(f"control plane ready in {time.monotonic() - t0:.1f}s: {self.kubeconfig}")
+        return self
+
+    def _up(self, state: dict, b, pki: Pki, ports: dict) -> None:
+        etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{ports['etcd_peer']}"
+        data = self.dir / "etcd"
+        proc = self._start(state, "etcd", [
+            b("etcd"), "--name=local", f"--data-dir={data}",
+            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=local={peer_url}", "--unsafe-no-fsync=true", "--log-level=warn",
+            "--quota-backend-bytes=4294967296"])
+        self._wait("etcd", proc, lambda: '"health":"true"' in self._get(f"{etcd_url}/health")[1], 60)
+        self.log(f"etcd up on {etcd_url}")
+
+        api = f"https://127.0.0.1:{ports['apiserver']}"
+        proc = self._start(state, "kube-apiserver", [
+            b("kube-apiserver"), f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1", f"--secure-port={ports['apiserver']}",
+            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--tls-cert-file={pki.apiserver_crt}", f"--tls-private-key-file={pki.apiserver_key}",
+            f"--client-ca-file={pki.ca_crt}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--allow-privileged=true",
+            f"--default-not-ready-toleration-seconds={TOLERATION_SECONDS}",
+            f"--default-unreachable-toleration-seconds={TOLERATION_SECONDS}",
+            f"--cert-dir={self.dir / 'pki'}",
+            "--profiling=false", "--v=1"])
+        ctx = self._admin_ctx(pki)
+        self._wait("kube-apiserver", proc, lambda: self._get(f"{api}/readyz", ctx)[1] == "ok", 180)
+        self.log(f"kube-apiserver up on {api}")
+        self._write_kubeconfig(self.kubeconfig, api, pki, {"client-certificate": str(pki.admin_crt),
+                                                           "client-key": str(pki.admin_key)})
+        kc = str(self.kubeconfig)
+        insecure = self._insecure_ctx()
+        common = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                  "--bind-address=127.0.0.1", "--leader-elect=false",
+                  "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics"]
+        kcm = self._start(state, "kube-controller-manager", [
+            b("kube-controller-manager"), *common, f"--secure-port={ports['kcm']}",
+            f"--root-ca-file={pki.ca_crt}", f"--service-account-private-key-file={pki.sa_key}",
+            "--use-service-account-credentials=false",
+            "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-gc-syncs=5",
+            "--controllers=*,-bootstrapsigner,-tokencleaner,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller,-persistentvolume-binder,-persistentvolume-expander,-persistentvolume-attach-detach-controller",
+            "--v=1"])
+        sched = self._start(state, "kube-scheduler", [
+            b("kube-scheduler"), *common, f"--secure-port={ports['scheduler']}",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"])
+        stages = kwok_stages.write(self.dir / "kwok-stages.yaml", bins / "kwok-stages", SERVING_IMAGE_PREFIX)
+        kwok = self._start(state, "kwok", [
+            b("kwok"), f"--kubeconfig={kc}", f"--config={stages}",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--node-ip=127.0.0.1", f"--cidr={KWOK_POD_CIDR}", "--node-lease-duration-seconds=8",
+            f"--server-address=127.0.0.1:{ports['kwok']}"])
+        (self.dir / "logs" / "pod-runner.ready").unlink(missing_ok=True)
+        runner = self._start(state, "pod-runner", [
+            sys.executable, "-m", "tokenfleet_localcluster.podrunner", f"--kubeconfig={kc}",
+            f"--image-prefix={SERVING_IMAGE_PREFIX}", f"--cidr={RUNNER_POD_CIDR}",
+            f"--log-dir={self.dir / 'logs' / 'pods'}"])
+        self._wait("kube-controller-manager", kcm,
+                   lambda: self._get(f"https://127.0.0.1:{ports['kcm']}/healthz", insecure)[1] == "ok", 120)
+        self._wait("kube-scheduler", sched,
+                   lambda: self._get(f"https://127.0.0.1:{ports['scheduler']}/healthz", insecure)[1] == "ok", 120)
+        self._wait("kwok", kwok, lambda: self._get(f"http://127.0.0.1:{ports['kwok']}/healthz")[0] == 200, 60)
+        self._wait("pod-runner", runner, lambda: (self.dir / "logs" / "pod-runner.ready").exists(), 60)
+        self.log("controller-manager, scheduler, kwok and pod runner up")
+        if self.pools:
+            self.add_nodes(self.pools)
+
+    @staticmethod
+    def _write_kubeconfig(path: Path, server: str, pki: Pki, user: dict) -> None:
+        cfg = {
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "tokenfleet-local", "cluster": {"server": server,
+                                                                  "certificate-authority": str(pki.ca_crt)}}],
+            "users": [{"name": "user", "user": user}],
+            "contexts": [{"name": "tokenfleet-local", "context": {"cluster": "tokenfleet-local", "user": "user"}}],
+            "current-context": "tokenfleet-local",
+        }
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+
+    # ------------------------------------------------------------------ nodes
+    def add_nodes(self, pools: list[NodePool], timeout: float = 120) -> list[str]:
+        """Create the pools' nodes and wait until KWOK reports them Ready."""
+        manifests, offset = [], self._node_count()
+        for pool in pools:
+            manifests += node_manifests(pool, first_index=offset + len(manifests))
+        if not manifests:
+            return []
+        text = "\n---\n".join(yaml.safe_dump(m) for m in manifests)
+        self.kubectl("apply", "--server-side", "-f", "-", input=text)
+        names = [m["metadata"]["name"] for m in manifests]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = self.ready_nodes()
+            if all(n in ready for n in names):
+                self.log(f"{len(names)} KWOK nodes Ready")
+                return names
+            time.sleep(0.5)
+        raise PlaneError(f"nodes not Ready after {timeout}s: {sorted(set(names) - self.ready_nodes())[:10]}")
+
+    def _node_count(self) -> int:
+        out = self.kubectl("get", "nodes", "-o", "name", check=False).stdout
+        return len(out.split())
+
+    def ready_nodes(self) -> set[str]:
+        out = self.kubectl("get", "nodes", "-o",
+                           "jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}").stdout
+        return {line.split("=")[0] for line in out.split() if line.endswith("=True")}
+
+    # ---------------------------------------------------------------- kubectl
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                kubeconfig: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        kubectl = str(Path(self.state().get("bin_dir") or binaries.bin_dir()) / "kubectl")
+        proc = subprocess.run([kubectl, f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
+                              input=input, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise PlaneError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def sa_kubeconfig(self, namespace: str, service_account: str, duration_seconds: int = 3600) -> Path:
+        """A kubeconfig for a ServiceAccount token (RBAC enforced), written in the plane's folder."""
+        from .credentials import service_account_kubeconfig
+        out = self.dir / f"sa-{namespace}-{service_account}.kubeconfig"
+        return service_account_kubeconfig(self, namespace, service_account, out, duration_seconds)
+
+    # ------------------------------------------------------------------- down
+    def down(self, grace: float = 10) -> list[str]:
+        """Stop every process recorded in state.json (pods of the runner first)."""
+        procs = self.state()["processes"]
+        order = ["pod-runner", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+        names = sorted(procs, key=lambda n: order.index(n) if n in order else -1)
+        stopped = []
+        for name in names:
+            pid = procs[name]["pid"]
+            if not pid_alive(pid):
+                continue
+            _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while pid_alive(pid) and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.1)
+            if pid_alive(pid):
+                _signal_group(pid, signal.SIGKILL)
+                while pid_alive(pid):
+                    _reap(pid)
+                    time.sleep(0.05)
+            # Anything else left in the process group (e.g. a pod's children).
+            _signal_group(pid, signal.SIGKILL)
+            stopped.append(name)
+        self._save({**self.state(), "processes": {}, "stopped": {n: procs[n]["pid"] for n in procs}})
+        return stopped
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+

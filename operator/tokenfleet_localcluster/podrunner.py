@@ -1,0 +1,346 @@
+"""The local pod runner: the embedded stand-in for a container runtime.
+
+For every pod that is bound to a node and whose image is tokenfleet's serving
+image, it runs the container's command as a local process bound to a
+loopback pod IP (``launch.py`` decides what to run), reports Running, and
+reports Ready only once the readiness probe passes. When the pod is deleted
+it sends SIGTERM, waits up to the grace period, then SIGKILL, and finally
+removes the pod object (the kubelet's last step). Pods of any other image are
+left to KWOK.
+
+Run as ``python -m tokenfleet_localcluster.podrunner --kubeconfig K``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+from .launch import ContainerLaunch, LaunchError, Probe, container_launches
+
+log = logging.getLogger("pod-runner")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class IpPool:
+    def __init__(self, cidr: str):
+        self._hosts = ipaddress.ip_network(cidr).hosts()
+        self._free: list[str] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> str:
+        with self._lock:
+            return self._free.pop(0) if self._free else str(next(self._hosts))
+
+    def give(self, ip: str) -> None:
+        with self._lock:
+            self._free.append(ip)
+
+
+@dataclass
+class Running:
+    launch: ContainerLaunch
+    proc: subprocess.Popen | None
+    started: str
+    restarts: int = 0
+    ready: bool = False
+    failures: int = 0
+    next_probe: float = 0.0
+    exit_code: int | None = None
+    next_restart: float = 0.0
+
+
+@dataclass
+class LocalPod:
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    host_ip: str
+    restart_policy: str
+    containers: list[Running] = field(default_factory=list)
+    terminating: bool = False
+    reported: tuple | None = None
+
+
+class PodRunner:
+    def __init__(self, api: client.CoreV1Api, image_prefix: str, cidr: str, log_dir: Path):
+        self.api = api
+        self.image_prefix = image_prefix
+        self.ips = IpPool(cidr)
+        self.log_dir = log_dir
+        self.pods: dict[str, LocalPod] = {}
+        self.events: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+
+    # ---------------------------------------------------------------- intake
+    def ours(self, pod) -> bool:
+        return any(c.image.startswith(self.image_prefix) for c in pod.spec.containers)
+
+    def watch_pods(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                w = watch.Watch()
+                for ev in w.stream(self.api.list_pod_for_all_namespaces, timeout_seconds=60,
+                                   field_selector="spec.nodeName!="):
+                    self.events.put(ev["object"])
+                    if self.stopping.is_set():
+                        w.stop()
+            except Exception as e:  # the API may be restarting: retry
+                if not self.stopping.is_set():
+                    log.warning("watch failed: %s; retrying", e)
+                    time.sleep(1)
+
+    def handle(self, pod) -> None:
+        if not self.ours(pod):
+            return
+        uid = pod.metadata.uid
+        local = self.pods.get(uid)
+        if pod.metadata.deletion_timestamp is not None:
+            if local and not local.terminating:
+                local.terminating = True
+                grace = pod.metadata.deletion_grace_period_seconds
+                grace = 30 if grace is None else grace
+                threading.Thread(target=self.terminate, args=(local, grace), daemon=True).start()
+            elif local is None:
+                self._finalize_delete(pod.metadata.namespace, pod.metadata.name, uid)
+            return
+        if local is None and pod.status.phase in ("Pending", None, "Running"):
+            self.start(pod)
+
+    # ----------------------------------------------------------------- start
+    def _lookup(self, kind: str, ns: str, name: str, key: str) -> str | None:
+        try:
+            if kind == "configmap":
+                return (self.api.read_namespaced_config_map(name, ns).data or {}).get(key)
+            import base64
+            data = (self.api.read_namespaced_secret(name, ns).data or {}).get(key)
+            return None if data is None else base64.b64decode(data).decode()
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def start(self, pod) -> None:
+        raw = self.api.api_client.sanitize_for_serialization(pod)
+        ip = self.ips.take()
+        host_ip = "127.0.0.1"
+        node = pod.spec.node_name
+        try:
+            n = self.api.read_node(node)
+            host_ip = next((a.address for a in n.status.addresses or [] if a.type == "InternalIP"), host_ip)
+        except ApiException:
+            pass
+        scratch = self.log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid[:8]}"
+        scratch.mkdir(parents=True, exist_ok=True)
+        local = LocalPod(pod.metadata.uid, pod.metadata.namespace, pod.metadata.name, ip, host_ip,
+                         pod.spec.restart_policy or "Always")
+        self.pods[local.uid] = local
+        try:
+            launches = container_launches(raw, ip, host_ip, dict(os.environ), str(scratch), self.image_prefix,
+                                          lookup=self._lookup)
+        except LaunchError as e:
+            log.error("%s/%s cannot run locally: %s", local.namespace, local.name, e)
+            self._patch(local, {"phase": "Failed", "reason": "LocalRunnerError", "message": str(e)})
+            return
+        for launch in launches:
+            (scratch / "volumes").mkdir(exist_ok=True)
+            running = Running(launch, None, now())
+            self._spawn(local, running, scratch)
+            local.containers.append(running)
+        log.info("started %s/%s on %s (%s)", local.namespace, local.name, ip, node)
+        self.report(local, force=True)
+
+    def _spawn(self, local: LocalPod, running: Running, scratch: Path) -> None:
+        out = open(scratch / f"{running.launch.name}.log", "ab")
+        Path(running.launch.cwd or scratch).mkdir(parents=True, exist_ok=True)
+        running.proc = subprocess.Popen(list(running.launch.argv), env=running.launch.env,
+                                        cwd=running.launch.cwd or scratch, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        out.close()
+        running.started = now()
+        running.ready = False
+        running.failures = 0
+        running.exit_code = None
+        probe = running.launch.readiness
+        running.next_probe = time.monotonic() + (probe.initial_delay if probe else 0)
+
+    # ------------------------------------------------------------ supervise
+    def probe(self, local: LocalPod, probe: Probe) -> bool:
+        try:
+            if probe.kind == "http":
+                with urllib.request.urlopen(f"http://{local.ip}:{probe.port}{probe.path}",
+                                            timeout=probe.timeout) as r:
+                    return 200 <= r.status < 400
+            with socket.create_connection((local.ip, probe.port), timeout=probe.timeout):
+                return True
+        except Exception:
+            return False
+
+    def tick(self) -> None:
+        t = time.monotonic()
+        for local in list(self.pods.values()):
+            if local.terminating:
+                continue
+            for r in local.containers:
+                if r.proc is not None and r.exit_code is None and r.proc.poll() is not None:
+                    r.exit_code = r.proc.returncode
+                    r.ready = False
+                    log.info("%s/%s container %s exited %s", local.namespace, local.name, r.launch.name, r.exit_code)
+                    if local.restart_policy == "Always" or (local.restart_policy == "OnFailure" and r.exit_code):
+                        r.next_restart = t + min(2 ** r.restarts, 30)
+                if r.exit_code is not None and r.next_restart and t >= r.next_restart:
+                    r.restarts += 1
+                    r.next_restart = 0.0
+                    self._spawn(local, r, self.log_dir / f"{local.namespace}_{local.name}_{local.uid[:8]}")
+                if r.exit_code is None and t >= r.next_probe:
+                    probe = r.launch.readiness
+                    if probe is None:
+                        r.ready = True
+                    else:
+                        ok = self.probe(local, probe)
+                        r.failures = 0 if ok else r.failures + 1
+                        if ok:
+                            r.ready = True
+                        elif r.failures >= probe.failure_threshold:
+                            r.ready = False
+                        r.next_probe = t + (probe.period if r.ready else min(probe.period, 0.5))
+            self.report(local)
+
+    def _container_status(self, r: Running) -> dict:
+        if r.exit_code is None:
+            state = {"running": {"startedAt": r.started}}
+        else:
+            state = {"terminated": {"exitCode": r.exit_code, "startedAt": r.started, "finishedAt": now(),
+                                    "reason": "Completed" if r.exit_code == 0 else "Error"}}
+        return {"name": r.launch.name, "image": r.launch.image, "imageID": "", "ready": r.ready,
+                "started": r.exit_code is None, "restartCount": r.restarts, "state": state}
+
+    def report(self, local: LocalPod, force: bool = False) -> None:
+        done = [r for r in local.containers if r.exit_code is not None and not r.next_restart]
+        phase = "Running"
+        if local.containers and len(done) == len(local.containers):
+            phase = "Succeeded" if all(r.exit_code == 0 for r in done) else "Failed"
+        ready = bool(local.containers) and all(r.ready for r in local.containers) and phase == "Running"
+        key = (phase, ready, tuple((r.exit_code, r.restarts, r.ready) for r in local.containers))
+        if key == local.reported and not force:
+            return
+        status = "True" if ready else "False"
+        t = now()
+        self._patch(local, {
+            "phase": phase, "podIP": local.ip, "podIPs": [{"ip": local.ip}], "hostIP": local.host_ip,
+            "hostIPs": [{"ip": local.host_ip}], "startTime": local.containers[0].started if local.containers else t,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": t},
+                {"type": "Initialized", "status": "True", "lastTransitionTime": t},
+                {"type": "ContainersReady", "status": status, "lastTransitionTime": t},
+                {"type": "Ready", "status": status, "lastTransitionTime": t},
+            ],
+            "containerStatuses": [self._container_status(r) for r in local.containers],
+        })
+        local.reported = key
+
+    def _patch(self, local: LocalPod, status: dict) -> None:
+        try:
+            self.api.patch_namespaced_pod_status(local.name, local.namespace, {"status": status})
+        except ApiException as e:
+            if e.status != 404:
+                log.warning("status of %s/%s: %s", local.namespace, local.name, e.reason)
+
+    # ------------------------------------------------------------- teardown
+    def terminate(self, local: LocalPod, grace: float) -> None:
+        procs = [r.proc for r in local.containers if r.proc is not None and r.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        log.info("stopped %s/%s (%s)", local.namespace, local.name,
+                 ", ".join(f"{r.launch.name}={r.proc.returncode if r.proc else None}" for r in local.containers))
+        self._finalize_delete(local.namespace, local.name, local.uid)
+        self.pods.pop(local.uid, None)
+        self.ips.give(local.ip)
+
+    def _finalize_delete(self, ns: str, name: str, uid: str) -> None:
+        try:
+            self.api.delete_namespaced_pod(name, ns, grace_period_seconds=0,
+                                           body=client.V1DeleteOptions(grace_period_seconds=0,
+                                                                       preconditions=client.V1Preconditions(uid=uid)))
+        except ApiException as e:
+            if e.status not in (404, 409):
+                log.warning("final delete of %s/%s: %s", ns, name, e.reason)
+
+    def stop_all(self) -> None:
+        threads = []
+        for local in list(self.pods.values()):
+            if not local.terminating:
+                local.terminating = True
+                th = threading.Thread(target=self.terminate, args=(local, 5), daemon=True)
+                th.start()
+                threads.append(th)
+        for th in threads:
+            th.join(timeout=10)
+
+    def run(self, ready_file: Path | None = None) -> None:
+        threading.Thread(target=self.watch_pods, daemon=True).start()
+        if ready_file:
+            ready_file.touch()
+        next_tick = 0.0
+        while not self.stopping.is_set():
+            try:
+                pod = self.events.get(timeout=0.2)
+                self.handle(pod)
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("handling a pod event failed")
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + 0.2
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("tick failed")
+        self.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--image-prefix", default="tokenfleet/serving")
+    ap.add_argument("--cidr", default="127.2.0.0/16")
+    ap.add_argument("--log-dir", default="pods")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config.load_kube_config(args.kubeconfig)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runner = PodRunner(client.CoreV1Api(), args.image_prefix, args.cidr, log_dir)
+    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: runner.stopping.set())
+    runner.run(ready_file=log_dir.parent / "pod-runner.ready")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
