@@ -1,0 +1,80 @@
+"""Choosing the hosts for one Slice inside one domain, and the domain itself.
+
+Within a domain (best fit): without a topology, the ``hosts`` nodes with the
+fewest free units that still have ``per_host`` free, ties by node name; with a
+topology, the aligned window of ``hosts`` consecutive host indices
+(start = 0, hosts, 2*hosts, ...) whose nodes all have ``per_host`` free and
+hold the fewest free units in total, ties by the lowest start.
+
+Across domains (least fragmentation): the domain with the fewest free units
+that can hold the Slice, ties by domain name.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Mapping, Sequence
+
+from .capacity import Pool, PoolSet
+
+
+def choose_nodes(pool: Pool, free: Sequence[int], per_host: int, hosts: int, topology: bool,
+                 extra: Mapping[int, int] | None = None) -> list[int] | None:
+    """Node ids for members 0..hosts-1, or None if the Slice does not fit ``pool``.
+
+    ``extra`` adds units per node id (capacity that evicting victims would free).
+    """
+    if extra:
+        def units(node_id: int) -> int:
+            return free[node_id] + extra.get(node_id, 0)
+    else:
+        units = free.__getitem__
+    if not topology:
+        candidates = [(u, n) for n in pool.nodes if (u := units(n)) >= per_host]
+        if len(candidates) < hosts:
+            return None
+        candidates.sort()
+        return sorted(n for _, n in candidates[:hosts])
+    best: tuple[int, int] | None = None
+    by_index = pool.by_index
+    for start in range(0, pool.max_index + 1, hosts):
+        total = 0
+        for index in range(start, start + hosts):
+            node_id = by_index.get(index)
+            if node_id is None:
+                break
+            u = units(node_id)
+            if u < per_host:
+                break
+            total += u
+        else:
+            if best is None or total < best[0]:
+                best = (total, start)
+    if best is None:
+        return None
+    return [by_index[i] for i in range(best[1], best[1] + hosts)]
+
+
+def find_best(poolset: PoolSet, free: Sequence[int], per_host: int, hosts: int) -> tuple[Pool, list[int]] | None:
+    """The least-free domain that holds the Slice and the nodes chosen in it."""
+    order = poolset.order
+    pools = poolset.pools
+    topology = poolset.topology
+    for position in range(bisect_left(order, (per_host * hosts, -1)), len(order)):
+        pool = pools[order[position][1]]
+        if sum(pool.hist[per_host:]) < hosts:
+            continue
+        nodes = choose_nodes(pool, free, per_host, hosts, topology)
+        if nodes is not None:
+            return pool, nodes
+    return None
+
+
+def fits_when_empty(poolset: PoolSet, per_host: int, hosts: int) -> bool:
+    """Whether some domain could hold the Slice if nothing ran there."""
+    for pool in poolset.pools:
+        if sum(1 for a in pool.allocatable if a >= per_host) < hosts:
+            continue
+        empty = dict(zip(pool.nodes, pool.allocatable))
+        if choose_nodes(pool, empty, per_host, hosts, poolset.topology) is not None:
+            return True
+    return False
