@@ -1,0 +1,111 @@
+"""The block pool: fixed-size KV blocks, reference counts, prefix hashes, LRU.
+
+Block hash spec (stable across processes and machines, so a router can
+recompute it without the engine)::
+
+    ROOT = 32 zero bytes
+    hash(block i) = sha256(hash(block i-1) or ROOT  ||  uint32_le(t0) || ... || uint32_le(t{B-1}))
+
+where t0..t{B-1} are the token ids of block i (B = block size) and ``||`` is
+byte concatenation. Only full blocks are hashed, so a hash names the whole
+prefix up to and including its block. Hex-encoded digests are what the engine
+exposes.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+ROOT_HASH = bytes(32)
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, start: int = 0,
+                       parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` from block index ``start``."""
+    hashes = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    """Bookkeeping for ``num_blocks`` KV blocks (the tensors live in the model runner).
+
+    Free blocks sit in an ordered queue: the head is evicted/reused first.
+    Blocks without a hash go to the head (nothing to lose); hashed blocks go to
+    the tail, so the least recently freed cached block is evicted first (LRU).
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (free cached blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (removing free ones from the free queue)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"cannot allocate {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None:
+                del self.cached[old]
+                self.block_hash[b] = None
+                self.num_evictions += 1
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Register a full block under its hash (a duplicate of a cached hash stays anonymous)."""
+        if block_hash not in self.cached and self.block_hash[block_id] is None:
+            self.cached[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; the last block is released first so it is evicted first."""
+        for b in reversed(block_ids):
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] < 0:
+                raise RuntimeError(f"block {b} released more often than taken")
+            if self.ref_cnt[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+
+    def cached_hashes(self) -> list[str]:
+        return [h.hex() for h in self.cached]

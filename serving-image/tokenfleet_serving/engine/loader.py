@@ -1,0 +1,156 @@
+"""Load a Hugging Face checkpoint directory: config, safetensors weights, tokenizer.
+
+Every failure raises :class:`CheckpointError` naming the file (and tensor or
+field) at fault.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, ModelConfig, parse_model_config
+from .tokenizer import Tokenizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt or inconsistent."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def load_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    try:
+        return parse_model_config(_read_json(path), source=str(path))
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes the model needs."""
+    h, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i)})
+        if config.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if config.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                           p + "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: file not found (listed in {index.name})")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors file found")
+    return files
+
+
+def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    wanted = expected_tensors(config)
+    weights: dict[str, torch.Tensor] = {}
+    for path in _weight_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in wanted:
+                        weights[name] = f.get_tensor(name).to(dtype)
+        except Exception as exc:  # safetensors raises several error types for corrupt files
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+    for name, shape in wanted.items():
+        if name not in weights:
+            raise CheckpointError(f"{directory}: tensor '{name}' not found in any *.safetensors file")
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{directory}: tensor '{name}' has shape {tuple(weights[name].shape)}, "
+                                  f"config.json implies {shape}")
+    return weights
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load tokenizer ({exc})") from exc
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+
+    def token(name: str) -> str | None:
+        value = cfg.get(name)
+        if isinstance(value, dict):      # AddedToken serialized as an object
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{cfg_path}: field '{name}' must be a string")
+        return value
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):       # named templates: pick "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = directory / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{cfg_path}: field 'chat_template' must be a string")
+    special_ids = frozenset(k for k, t in backend.get_added_tokens_decoder().items() if t.special)
+    return Tokenizer(backend=backend, chat_template=template, bos_token=token("bos_token"),
+                     eos_token=token("eos_token"), add_bos_token=bool(cfg.get("add_bos_token", False)),
+                     special_token_ids=special_ids)
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
+                    with_tokenizer: bool = True) -> Checkpoint:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    config = load_config(directory)
+    weights = load_weights(directory, config, dtype)
+    tokenizer = load_tokenizer(directory) if with_tokenizer else None
+    return Checkpoint(directory, config, weights, tokenizer)

@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) running over a paged KV cache.
+
+All sequences of a step are flattened into one [T, hidden] batch, so every
+linear layer is a single matmul. Q/K/V and gate/up projections are fused at
+load time. The KV pool is one tensor per layer-and-kind laid out as
+[kv_heads, num_blocks, block_size, head_dim]: gathering a sequence's blocks
+copies contiguous block_size x head_dim tiles and yields a contiguous
+[kv_heads, tokens, head_dim] view.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .batch import StepBatch
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: torch.device, max_model_len: int):
+        self.config, self.dtype, self.device = config, dtype, device
+        w = lambda name: weights[name].to(device=device, dtype=dtype).contiguous()
+        cat = lambda *names: torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for n in range(config.num_layers):
+            p = f"model.layers.{n}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(dict(
+                ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"),
+                qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_b=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None,
+                o=w(a + "o_proj.weight"),
+                gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                gate_up_b=cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None,
+                down=w(m + "down_proj.weight"),
+                down_b=w(m + "down_proj.bias") if config.mlp_bias else None))
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.block_size = 0
+
+    # ---- KV pool -------------------------------------------------------
+    def kv_block_bytes(self, block_size: int) -> int:
+        return block_size * self.config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the pool; returns its size in bytes."""
+        c = self.config
+        shape = (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = [pool[i, 0] for i in range(c.num_layers)]
+        self.v_cache = [pool[i, 1] for i in range(c.num_layers)]
+        self.block_size = block_size
+        self.kv_pool = pool
+        return pool.numel() * pool.element_size()
+
+    # ---- forward -------------------------------------------------------
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _attention(self, q, k, v, kc, vc, batch: StepBatch) -> torch.Tensor:
+        c = self.config
+        H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        g = H // KVH
+        out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
+        nd = batch.num_decode
+        if nd:
+            B = nd
+            keys = kc.index_select(1, batch.decode_block_ids).view(KVH, B, -1, hd)
+            vals = vc.index_select(1, batch.decode_block_ids).view(KVH, B, -1, hd)
+            qd = q[:nd].view(B, KVH, g, hd).transpose(0, 1)                  # [KVH, B, g, hd]
+            scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)
+            scores.add_(batch.decode_mask)                                    # [B, 1, L] broadcast
+            probs = torch.softmax(scores, dim=-1)
+            out[:nd] = torch.matmul(probs, vals).transpose(0, 1).reshape(B, H * hd)
+        for span in batch.prefills:
+            rows = slice(span.offset, span.offset + span.length)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)                         # [1, H, n, hd]
+            if span.block_ids is None:
+                ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
+                                                   scale=self.scale, enable_gqa=g > 1)
+            else:
+                ks = kc.index_select(1, span.block_ids).view(KVH, -1, hd)[:, :span.context]
+                vs = vc.index_select(1, span.block_ids).view(KVH, -1, hd)[:, :span.context]
+                o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=span.mask,
+                                                   scale=self.scale, enable_gqa=g > 1)
+            out[rows] = o[0].transpose(0, 1).reshape(span.length, H * hd)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
+        """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
+        c = self.config
+        KVH, hd = c.num_kv_heads, c.head_dim
+        if batch.decode_mask is not None and batch.decode_mask.dtype != self.dtype:
+            batch.decode_mask = batch.decode_mask.to(self.dtype)
+        x = self.embed[batch.input_ids]
+        cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
+        T = x.shape[0]
+        for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+            h = self._rms_norm(x, layer["ln1"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_b"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(q.view(T, -1, hd), cos, sin)
+            k = self._rope(k.view(T, KVH, hd), cos, sin)
+            v = v.view(T, KVH, hd)
+            kc.view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
+            vc.view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
+            x = x + F.linear(self._attention(q, k, v, kc, vc, batch), layer["o"])
+            h = self._rms_norm(x, layer["ln2"])
+            gate, up = F.linear(h, layer["gate_up"], layer["gate_up_b"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"], layer["down_b"])
+        if not all_logits:
+            x = x[batch.logits_rows]
+        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()

@@ -1,0 +1,88 @@
+"""A request's state as it moves through the engine, and what the engine reports back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import ROOT_HASH, hash_prefix_blocks
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]       # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """Incremental result of one request after one engine step."""
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None          # "stop", "length", "abort" or None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int             # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string that matched
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1        # set when first scheduled
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        # pending output since the last report
+        self.pending_token_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.detokenizer = None
+        self.output_text = ""
+        self.reported_text_len = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        self.block_hashes += hash_prefix_blocks(self.all_token_ids, block_size, len(self.block_hashes), parent)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.pending_token_ids.append(token_id)

@@ -1,0 +1,60 @@
+"""Per-request sampling parameters, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 means greedy
+    top_k: int = 0                    # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0   # HF-style, over prompt and output tokens
+    presence_penalty: float = 0.0     # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-N alternatives per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"sampling parameter '{name}' {why}, got {getattr(self, name)!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
