@@ -1,0 +1,17 @@
+"""The tokenfleet.dev/v1alpha1 API as pydantic v2 models.
+
+These models are the single source of truth: ``tokenfleet crds`` renders the
+CustomResourceDefinitions in ``crds/`` from them, and the operator parses the
+objects it reads with them.
+"""
+from tokenfleet_operator.api.common import GROUP, VERSION, API_VERSION, Condition
+from tokenfleet_operator.api.inference_service import InferenceService, InferenceServiceSpec, InferenceServiceStatus
+from tokenfleet_operator.api.slice import Slice, SliceSpec, SliceStatus
+
+RESOURCES = (InferenceService, Slice)
+
+__all__ = [
+    "GROUP", "VERSION", "API_VERSION", "Condition", "RESOURCES",
+    "InferenceService", "InferenceServiceSpec", "InferenceServiceStatus",
+    "Slice", "SliceSpec", "SliceStatus",
+]

@@ -1,0 +1,245 @@
+"""Slice: a gang of member pods (one per host) that is placed, run and
+restarted as one unit, like a multi-host TPU slice.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from tokenfleet_operator.api.common import (
+    DNS_LABEL_PATTERN,
+    LABEL_KEY_PATTERN,
+    TOPOLOGY_PATTERN,
+    AcceleratorBase,
+    ApiModel,
+    Conditions,
+    CrdInfo,
+    PrinterColumn,
+    Resource,
+    rule,
+)
+
+SlicePhase = Literal["Pending", "Admitted", "Placing", "Ready", "Degraded", "Restarting", "Failed"]
+SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined]
+
+DEFAULT_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
+
+
+class MemberTemplateMetadata(ApiModel):
+    """Labels and annotations copied onto every member pod."""
+
+    labels: dict[str, str] | None = Field(default=None, description="Labels added to every member pod.")
+    annotations: dict[str, str] | None = Field(default=None, description="Annotations added to every member pod.")
+
+
+class MemberTemplate(ApiModel):
+    """The pod template every member is made from (a core/v1 PodTemplateSpec)."""
+
+    metadata: MemberTemplateMetadata | None = Field(default=None, description="Labels and annotations for member pods.")
+    spec: dict[str, Any] = Field(
+        description=(
+            "A core/v1 PodSpec. It needs at least one container; the first container is the main one and gets the "
+            "accelerator request and the TOKENFLEET_* environment variables. restartPolicy is forced to Never: a "
+            "member that exits restarts the whole slice."
+        ),
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class CheckpointSpec(ApiModel):
+    """Where and how often the slice saves the state it restarts from."""
+
+    store: str = Field(
+        description="Checkpoint location as a URI: pvc://CLAIM/PATH, hostpath:///PATH, file:///PATH, s3://BUCKET/PATH or gs://BUCKET/PATH.",
+        max_length=1024,
+        pattern=r"^(pvc|hostpath|file|s3|gs)://.+$",
+    )
+    interval_seconds: int = Field(
+        default=600, description="Seconds between checkpoints taken by the workload.", ge=30, le=86400
+    )
+    restore_on_restart: bool = Field(
+        default=True, description="Whether a restarted gang is told (TOKENFLEET_RESTORE_FROM) to resume from the latest checkpoint."
+    )
+
+
+class RestartPolicy(ApiModel):
+    """How the whole gang is restarted when a member fails: a budget and an exponential backoff."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                rule(
+                    "self.backoffSeconds <= self.maxBackoffSeconds",
+                    "backoffSeconds must not exceed maxBackoffSeconds",
+                    field_path=".backoffSeconds",
+                )
+            ]
+        }
+    }
+
+    max_restarts: int = Field(
+        default=3,
+        description="Gang restarts allowed before the slice is marked Failed. 0 means a member failure fails the slice.",
+        ge=0,
+        le=1000,
+    )
+    backoff_seconds: int = Field(
+        default=10,
+        description="Delay before the first restart; it doubles with every further restart up to maxBackoffSeconds.",
+        ge=0,
+        le=3600,
+    )
+    max_backoff_seconds: int = Field(default=300, description="Upper bound of the restart delay.", ge=1, le=86400)
+
+
+class SliceSpec(ApiModel):
+    """Desired state of a Slice."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                rule(
+                    "self.role != 'batch' || has(self.checkpoint)",
+                    "a batch slice needs checkpoint.store to resume from after a gang restart",
+                    field_path=".checkpoint",
+                ),
+            ]
+        }
+    }
+
+    accelerator: AcceleratorBase = Field(description="The accelerator each member (host) carries.")
+    hosts: int = Field(default=1, description="Number of hosts, one member pod each.", ge=1, le=256)
+    topology: str | None = Field(
+        default=None,
+        description=(
+            "Accelerator topology of the whole slice, e.g. 2x4. Its product must equal hosts * accelerator.countPerHost; "
+            "a mismatch is reported as condition Ready=False reason TopologyMismatch."
+        ),
+        max_length=16,
+        pattern=TOPOLOGY_PATTERN,
+    )
+    topology_key: str = Field(
+        default=DEFAULT_TOPOLOGY_KEY,
+        description="Node label whose value names a topology domain (rack, node pool, zone); all members are placed in one domain.",
+        max_length=317,
+        pattern=LABEL_KEY_PATTERN,
+    )
+    priority: int = Field(
+        default=0, description="Placement priority; higher slices are placed first and may preempt lower ones.", ge=-1000, le=1000000
+    )
+    queue: str = Field(default="default", description="Admission queue the slice waits in.", max_length=63, pattern=DNS_LABEL_PATTERN)
+    role: Literal["serve", "batch"] = Field(
+        default="serve", description="serve for long-running inference replicas, batch for jobs that resume from checkpoints."
+    )
+    template: MemberTemplate = Field(description="Template of the member pods.")
+    checkpoint: CheckpointSpec | None = Field(default=None, description="Checkpoint settings; unset means the gang restarts cold.")
+    restart_policy: RestartPolicy = Field(
+        default_factory=RestartPolicy,
+        description="Gang restart budget and backoff.",
+        json_schema_extra={"default": {}},
+    )
+
+
+class SliceMembers(ApiModel):
+    """Member pod counts."""
+
+    desired: int = Field(default=0, description="Members the slice needs (spec.hosts).", ge=0)
+    scheduled: int = Field(default=0, description="Members bound to a node.", ge=0)
+    ready: int = Field(default=0, description="Members whose pod is Ready.", ge=0)
+
+
+class MemberPlacement(ApiModel):
+    """Where one member runs."""
+
+    member: int = Field(description="Member index, 0 to hosts-1; member 0 is the leader.", ge=0)
+    pod: str = Field(description="Name of the member pod.")
+    node: str | None = Field(default=None, description="Node the pod is bound to, if any.")
+    domain: str | None = Field(default=None, description="Value of the topology-domain label on that node.")
+
+
+class LastRestart(ApiModel):
+    """The most recent gang restart."""
+
+    time: str = Field(description="When the restart began (RFC 3339).", json_schema_extra={"format": "date-time"})
+    reason: str = Field(description="Why: MemberFailed, MemberDeleted, ContainerRestarted or NodeLost.")
+    member: int | None = Field(default=None, description="Index of the member that failed first.", ge=0)
+    message: str = Field(default="", description="Details, e.g. the failed pod and its exit reason.")
+
+
+class CheckpointStatus(ApiModel):
+    """What the slice knows about its checkpoints."""
+
+    latest: str | None = Field(default=None, description="Identifier of the latest checkpoint reported by the workload.")
+    saved_at: str | None = Field(default=None, description="When the latest checkpoint was saved (RFC 3339).")
+    restored_at: str | None = Field(default=None, description="When the gang last resumed from a checkpoint (RFC 3339).")
+
+
+class SliceStatus(ApiModel):
+    """Observed state of a Slice, written only by the operator."""
+
+    phase: SlicePhase = Field(
+        default="Pending",
+        description=(
+            "Pending: waiting for admission. Admitted: placement found, pods not yet created. Placing: pods created, "
+            "not all ready. Ready: every member ready. Degraded: was Ready, a member is not ready. Restarting: the "
+            "gang was torn down after a failure and waits for backoff. Failed: restart budget exhausted or invalid spec."
+        ),
+    )
+    members: SliceMembers = Field(default_factory=SliceMembers, description="Member counts.")
+    placement: list[MemberPlacement] | None = Field(
+        default=None,
+        description="Where each member runs.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["member"]},
+    )
+    restarts: int = Field(default=0, description="Gang restarts since the spec last changed.", ge=0)
+    last_restart: LastRestart | None = Field(default=None, description="The most recent gang restart.")
+    restart_not_before: str | None = Field(
+        default=None, description="Backoff: the gang is not recreated before this time (RFC 3339)."
+    )
+    revision: str | None = Field(default=None, description="Hash of the spec the current member pods were made from.")
+    checkpoint: CheckpointStatus | None = Field(default=None, description="Checkpoint bookkeeping.")
+    observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
+    conditions: Conditions | None = Field(
+        default=None, description="Admitted, Placed, Ready and Failed, each with a reason and a message."
+    )
+
+
+class Slice(Resource):
+    """A Slice is a gang of member pods placed, run and restarted as one unit."""
+
+    crd: ClassVar[CrdInfo] = CrdInfo(
+        kind="Slice",
+        plural="slices",
+        singular="slice",
+        short_names=("tfslice", "gang"),
+        categories=("tokenfleet",),
+        description=(
+            "A Slice is a gang of member pods, one per host, that is admitted, placed, run and restarted as one unit "
+            "(all members or none), like a multi-host accelerator slice. An InferenceService makes one per replica."
+        ),
+        printer_columns=(
+            PrinterColumn("Accelerator", "string", ".spec.accelerator.type", "Accelerator type"),
+            PrinterColumn("Topology", "string", ".spec.topology", "Accelerator topology"),
+            PrinterColumn("Hosts", "integer", ".spec.hosts", "Member pods (hosts)"),
+            PrinterColumn("Ready", "integer", ".status.members.ready", "Ready members"),
+            PrinterColumn("Phase", "string", ".status.phase", "Lifecycle phase"),
+            PrinterColumn("Restarts", "integer", ".status.restarts", "Gang restarts"),
+            PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
+            PrinterColumn("Role", "string", ".spec.role", "serve or batch", priority=1),
+            PrinterColumn("Queue", "string", ".spec.queue", "Admission queue", priority=1),
+            PrinterColumn("Reason", "string", '.status.conditions[?(@.type=="Ready")].reason', "Reason of the Ready condition", priority=1),
+            PrinterColumn("Checkpoint", "string", ".status.checkpoint.latest", "Latest checkpoint", priority=1),
+        ),
+        root_validations=(
+            rule(
+                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 55",
+                "metadata.name must be a DNS-1035 label of at most 55 characters (member pods are named NAME-INDEX)",
+                reason="FieldValueInvalid",
+            ),
+        ),
+    )
+
+    kind: str = Field(default="Slice", description="Slice")
+    spec: SliceSpec = Field(description="Desired state of the slice.")
+    status: SliceStatus | None = Field(default=None, description="Observed state of the slice.")
