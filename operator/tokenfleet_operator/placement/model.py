@@ -128,8 +128,8 @@ class SliceRequest:
     ``per_host`` units of ``resource``, all inside one value of ``domain_label``.
 
     ``topology`` (e.g. ``"2x4"``) describes the host grid; its product must equal
-    ``hosts`` and the members then occupy an aligned run of consecutive
-    ``host_index_label`` values. ``domain_label=None`` means the whole cluster
+    ``hosts`` and the members then occupy a run of consecutive
+    ``host_index_label`` values (member i on index start+i). ``domain_label=None`` means the whole cluster
     is one domain. ``created`` orders Slices of equal priority (FIFO); the shell
     passes the requeue time for a Slice that was requeued after a timeout.
     """

@@ -30,16 +30,13 @@ def _where(request: SliceRequest, pool: Pool) -> str:
     return f"the best {request.domain_label}, {pool.name},"
 
 
-def _window_best(pool: Pool, units: Sequence[int] | dict, per_host: int, hosts: int) -> int:
-    """Most hosts with ``per_host`` available inside any aligned window of ``hosts`` indices."""
-    best = 0
-    for start in range(0, pool.max_index + 1, hosts):
-        count = 0
-        for index in range(start, start + hosts):
-            node_id = pool.by_index.get(index)
-            if node_id is not None and units[node_id] >= per_host:
-                count += 1
-        best = max(best, count)
+def _longest_run(pool: Pool, units: Sequence[int] | dict, per_host: int) -> int:
+    """Longest run of consecutive host indices whose nodes all have ``per_host`` available."""
+    best = run = 0
+    for index in range(pool.max_index + 1):
+        node_id = pool.by_index.get(index)
+        run = run + 1 if node_id is not None and units[node_id] >= per_host else 0
+        best = max(best, run)
     return best
 
 
@@ -48,7 +45,7 @@ def insufficient_capacity(request: SliceRequest, poolset: PoolSet, free: Sequenc
     best_key, best_pool = None, None
     for pool in poolset.pools:
         if poolset.topology:
-            enough = _window_best(pool, free, p, h)
+            enough = min(_longest_run(pool, free, p), h)
         else:
             enough = sum(pool.hist[p:])
         key = (enough, pool.total, -pool.ordinal)
@@ -56,8 +53,8 @@ def insufficient_capacity(request: SliceRequest, poolset: PoolSet, free: Sequenc
             best_key, best_pool = key, pool
     enough, total, _ = best_key
     if poolset.topology:
-        offer = (f"has at most {enough} of {h} hosts with ≥{p} free in an aligned window of "
-                 f"{h} consecutive {request.host_index_label} values ({total} free in all)")
+        offer = (f"has at most {enough} consecutive {request.host_index_label} values with ≥{p} free "
+                 f"({total} free in all)")
     else:
         offer = f"has {_plural(enough, 'host')} with ≥{p} free ({total} free in all)"
     return f"{wants(request)}; {_where(request, best_pool)} {offer}"
@@ -68,7 +65,7 @@ def domain_too_small(request: SliceRequest, poolset: PoolSet) -> str:
     best_key, best_pool = None, None
     for pool in poolset.pools:
         if poolset.topology:
-            enough = _window_best(pool, dict(zip(pool.nodes, pool.allocatable)), p, h)
+            enough = min(_longest_run(pool, dict(zip(pool.nodes, pool.allocatable)), p), h)
         else:
             enough = sum(1 for a in pool.allocatable if a >= p)
         key = (enough, -pool.ordinal)
@@ -77,8 +74,8 @@ def domain_too_small(request: SliceRequest, poolset: PoolSet) -> str:
     enough = best_key[0]
     scope = "the cluster" if request.domain_label is None else f"the largest {request.domain_label}, {best_pool.name},"
     if poolset.topology:
-        return (f"{wants(request)}; it can never fit: {scope} has at most {enough} of {h} hosts with "
-                f"≥{p} allocatable in an aligned window of {h} consecutive {request.host_index_label} values")
+        return (f"{wants(request)}; it can never fit: {scope} has at most {enough} consecutive "
+                f"{request.host_index_label} values with ≥{p} allocatable")
     return (f"{wants(request)}; it can never fit: {scope} has only "
             f"{_plural(enough, 'matching host')} with ≥{p} allocatable")
 

@@ -1,0 +1,226 @@
+"""``tokenfleet bench placement``: time one gang-placement pass on a large synthetic cluster.
+
+The cluster: ``--nodes`` nodes with ``--per-node`` nvidia.com/gpu each, in blocks
+of ``--block-size`` nodes (label tokenfleet.dev/block, host indices 0..block-1).
+About 2% of nodes are not Ready, 10% already run pods using 1-4 GPUs, and one
+block in 16 is tainted for a dedicated team. The queue: ``--slices`` Slices of
+mixed sizes (1 GPU up to a whole block, some with a 2x2, 2x4 or 4x4 host
+topology, some tolerating the taint), three priorities, four queues.
+
+Prints a table and, with ``--json FILE``, writes placement_seconds, placed,
+accelerators_used and upper_bound_accelerators plus the hardware it ran on.
+upper_bound_accelerators is a bound no placer can beat: for each Slice shape
+(per_host, hosts, topology) it counts the most disjoint copies that the
+initially free GPUs on Ready nodes could hold (ignoring every other shape,
+every taint and window alignment), caps that at the number of Slices of the shape, and sums over
+shapes; the sum is capped at the free GPUs on Ready nodes. The looser
+min(free GPUs, GPUs requested) is reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections import Counter
+
+from tokenfleet_operator.placement import (
+    BoundPod, Node, Placement, Queue, SliceRequest, Taint, Toleration, place,
+)
+
+RESOURCE = "nvidia.com/gpu"
+BLOCK_LABEL = "tokenfleet.dev/block"
+INDEX_LABEL = "tokenfleet.dev/host-index"
+TAINT = Taint("tokenfleet.dev/dedicated", "research", "NoSchedule")
+TOLERATION = Toleration("tokenfleet.dev/dedicated", "Equal", "research", "NoSchedule")
+QUEUES = ("team-a", "team-b", "team-c", "batch")
+PRIORITIES = (0, 100, 1000)
+# (weight, per_host, hosts, topology); per_host is capped at --per-node
+SHAPES = (
+    (20, 1, 1, None),
+    (15, 4, 1, None),
+    (20, 8, 1, None),
+    (15, 8, 2, None),
+    (10, 8, 4, "2x2"),
+    (10, 8, 8, "2x4"),
+    (7, 8, 16, "4x4"),
+    (3, 8, 32, None),
+)
+
+
+def build_cluster(node_count: int, block_size: int, per_node: int, rng: random.Random) -> tuple[list[Node], list[BoundPod]]:
+    nodes: list[Node] = []
+    bound: list[BoundPod] = []
+    for number in range(node_count):
+        block, index = divmod(number, block_size)
+        name = f"gpu-{block:05d}-{index:03d}"
+        nodes.append(Node(
+            name=name,
+            allocatable={RESOURCE: per_node},
+            labels={BLOCK_LABEL: f"block-{block:05d}", INDEX_LABEL: str(index)},
+            taints=(TAINT,) if block % 16 == 15 else (),
+            ready=rng.random() >= 0.02,
+        ))
+        if rng.random() < 0.10:
+            bound.append(BoundPod(name, {RESOURCE: rng.randint(1, min(4, per_node))}))
+    return nodes, bound
+
+
+def build_slices(count: int, per_node: int, block_size: int, rng: random.Random) -> list[SliceRequest]:
+    weights = [s[0] for s in SHAPES]
+    slices = []
+    for number in range(count):
+        _, per_host, wanted_hosts, topology = rng.choices(SHAPES, weights)[0]
+        hosts = min(wanted_hosts, block_size)
+        if hosts != wanted_hosts:  # a smaller block than the shape assumes: drop the grid
+            topology = None
+        slices.append(SliceRequest(
+            key=f"bench/slice-{number:05d}",
+            resource=RESOURCE,
+            per_host=min(per_host, per_node),
+            hosts=hosts,
+            topology=topology,
+            domain_label=BLOCK_LABEL,
+            host_index_label=INDEX_LABEL,
+            tolerations=(TOLERATION,) if rng.random() < 0.125 else (),
+            priority=rng.choice(PRIORITIES),
+            queue=rng.choice(QUEUES),
+            created=float(number),
+        ))
+    return slices
+
+
+def _copies_in_block(free: list[int | None], per_host: int, hosts: int, topology: bool) -> int:
+    """Most disjoint copies of one Slice shape that a block's free GPUs can hold
+    (``free[i]`` is host index i's free GPUs, None when not Ready)."""
+    if topology:  # runs of consecutive usable hosts, aligned or not
+        copies = run = 0
+        for f in free + [None]:
+            if f is not None and f >= per_host:
+                run += 1
+            else:
+                copies, run = copies + run // hosts, 0
+        return copies
+    slots = [f // per_host for f in free if f is not None and f >= per_host]
+    copies = 0
+    while sum(min(s, copies + 1) for s in slots) >= (copies + 1) * hosts:
+        copies += 1
+    return copies
+
+
+def upper_bound(nodes: list[Node], bound: list[BoundPod], slices: list[SliceRequest], block_size: int) -> tuple[int, int]:
+    """(tight bound, loose bound) on the GPUs any placement of ``slices`` can use."""
+    used = Counter()
+    for pod in bound:
+        used[pod.node] += pod.requests.get(RESOURCE, 0)
+    blocks: dict[str, list[int | None]] = {}
+    for node in nodes:
+        block = blocks.setdefault(node.labels[BLOCK_LABEL], [None] * block_size)
+        free = max(node.allocatable.get(RESOURCE, 0) - used[node.name], 0)
+        block[int(node.labels[INDEX_LABEL])] = free if node.ready else None
+    free_ready = sum(f for block in blocks.values() for f in block if f is not None)
+    wanted = Counter((s.per_host, s.hosts, s.topology is not None) for s in slices)
+    tight = 0
+    for (per_host, hosts, topology), count in sorted(wanted.items()):
+        copies = sum(_copies_in_block(block, per_host, hosts, topology) for block in blocks.values())
+        tight += per_host * hosts * min(count, copies)
+    loose = min(free_ready, sum(s.accelerators for s in slices))
+    return min(free_ready, tight), loose
+
+
+def hardware() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": model, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "threads_used": 1}
+
+
+def run(node_count: int, slice_count: int, block_size: int, per_node: int, seed: int, repeat: int) -> dict:
+    rng = random.Random(seed)
+    nodes, bound = build_cluster(node_count, block_size, per_node, rng)
+    slices = build_slices(slice_count, per_node, block_size, rng)
+    queues = [Queue(name, {RESOURCE: 10 ** 9}) for name in QUEUES]
+
+    wall, cpu, plan = [], [], None
+    for _ in range(repeat):
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        plan = place(nodes, bound, slices, queues)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start_wall)
+
+    by_key = {s.key: s for s in slices}
+    placements = [d for d in plan.decisions if isinstance(d, Placement)]
+    used = sum(by_key[p.slice_key].accelerators for p in placements)
+    tight, loose = upper_bound(nodes, bound, slices, block_size)
+    return {
+        "nodes": node_count,
+        "slices": slice_count,
+        "block_size": block_size,
+        "accelerators_per_node": per_node,
+        "seed": seed,
+        "repeat": repeat,
+        "placement_seconds": min(wall),
+        "placement_seconds_all": wall,
+        "cpu_seconds": min(cpu),
+        "placed": len(placements),
+        "unplaced": len(plan.decisions) - len(placements),
+        "unplaced_by_code": dict(sorted(Counter(d.code for d in plan.unplaced).items())),
+        "accelerators_requested": sum(s.accelerators for s in slices),
+        "accelerators_used": used,
+        "upper_bound_accelerators": tight,
+        "loose_upper_bound_accelerators": loose,
+        "hardware": hardware(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenfleet bench placement", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=10_000, help="number of nodes (default 10000)")
+    parser.add_argument("--slices", type=int, default=2_000, help="number of pending Slices (default 2000)")
+    parser.add_argument("--block-size", type=int, default=32, help="nodes per topology block (default 32)")
+    parser.add_argument("--per-node", type=int, default=8, help="accelerators per node (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster and queue")
+    parser.add_argument("--repeat", type=int, default=3, help="timed passes; the fastest is reported")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    args = parser.parse_args(argv)
+    for name in ("nodes", "slices", "block_size", "per_node", "repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    result = run(args.nodes, args.slices, args.block_size, args.per_node, args.seed, args.repeat)
+    rows = [
+        ("nodes", result["nodes"]),
+        ("pending slices", result["slices"]),
+        ("placement seconds (best of %d)" % args.repeat, f"{result['placement_seconds']:.3f}"),
+        ("cpu seconds", f"{result['cpu_seconds']:.3f}"),
+        ("placed", result["placed"]),
+        ("unplaced", f"{result['unplaced']} {result['unplaced_by_code']}"),
+        ("accelerators requested", result["accelerators_requested"]),
+        ("accelerators used", result["accelerators_used"]),
+        ("upper bound accelerators", result["upper_bound_accelerators"]),
+        ("loose upper bound", result["loose_upper_bound_accelerators"]),
+        ("used / upper bound", f"{result['accelerators_used'] / max(result['upper_bound_accelerators'], 1):.3f}"),
+        ("cpu", result["hardware"]["cpu"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
+            out.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
