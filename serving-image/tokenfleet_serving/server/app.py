@@ -1,0 +1,403 @@
+"""The aiohttp application: OpenAI routes, probes, metrics, cache hashes, drain.
+
+Lifecycle: the server listens first (``/health`` answers while weights load),
+loads the engine in a thread, runs one warm-up token through it, and only then
+reports ``/ready``. ``begin_drain`` (SIGTERM) flips readiness off, answers new
+requests with 503, lets every accepted request finish within the drain
+timeout, aborts what is left after it, and sets ``stopped``.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
+from tokenfleet_serving.engine.request import RequestOutput
+from tokenfleet_serving.engine.sampling_params import SamplingParams
+
+from . import protocol as P
+from .chat import prompt_token_ids
+from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from .metrics import RequestTimer, ServerMetrics
+
+log = logging.getLogger("tokenfleet.serve")
+
+GUARDED_PREFIXES = ("/v1/", "/cache/")   # need the API key when one is set; probes and /metrics do not
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    max_prompt_tokens: int | None = None      # default: the model's context - 1
+    max_tokens_limit: int | None = None       # default: the model's context
+    max_queue: int = 256
+    drain_timeout_s: float = 25.0
+    price_per_hour: float | None = None
+    retry_after_s: int = 1
+
+
+class Server:
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.engine: LLMEngine | None = None
+        self.engine_loop: EngineLoop | None = None
+        self.limits: P.Limits | None = None
+        self.metrics = ServerMetrics(config.served_model_names[0], price_per_hour=config.price_per_hour)
+        self.metrics.state = lambda: {"ready": self.is_ready(), "draining": self.draining}
+        self.load_error: BaseException | None = None
+        self.warm = False
+        self.draining = False
+        self.active = 0                       # generation handlers past admission
+        self.stopped = asyncio.Event()
+        self.created = P.now()
+        self.app = self._build_app()
+
+    # ---- lifecycle -------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors_middleware, self._auth_middleware])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/cache/blocks", self.cache_blocks)
+        return app
+
+    async def load(self) -> None:
+        """Load the engine off the event loop, start stepping, warm up; then ready."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def build() -> None:        # a daemon thread, so SIGTERM during loading does not wait for it
+            try:
+                engine = self.engine_factory(self.config.engine)
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(engine))
+            except BaseException as e:  # noqa: BLE001 - reported, the server stays up and unready
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+
+        threading.Thread(target=build, name="engine-load", daemon=True).start()
+        try:
+            engine = await done
+        except BaseException as e:
+            self.load_error = e
+            log.error("loading the model failed: %s", e)
+            raise
+        self.engine = engine
+        stats = engine.stats()
+        ctx = engine.max_model_len
+        cfg = self.config
+        self.limits = P.Limits(
+            max_model_len=ctx,
+            max_prompt_tokens=min(cfg.max_prompt_tokens or ctx - 1, ctx - 1),
+            max_tokens_limit=min(cfg.max_tokens_limit or ctx, ctx),
+            kv_capacity_tokens=stats.num_kv_blocks * stats.block_size)
+        self.metrics = ServerMetrics(cfg.served_model_names[0], max_model_len=ctx, price_per_hour=cfg.price_per_hour,
+                                     prefix_caching=cfg.engine.enable_prefix_caching)
+        self.metrics.state = lambda: {"ready": self.is_ready(), "draining": self.draining}
+        self.engine_loop = EngineLoop(engine, loop, max_queue=cfg.max_queue)
+        self.metrics.snapshot = lambda: self.engine_loop.snapshot.stats
+        self.engine_loop.listeners.append(lambda outs, at: self.metrics.on_snapshot(self.engine_loop.snapshot.stats, at))
+        self.engine_loop.start()
+        await self._warm_up()
+        self.warm = True
+        log.info("ready: %s (context %d tokens, %d KV blocks of %d)", cfg.served_model_names[0], ctx,
+                 stats.num_kv_blocks, stats.block_size)
+
+    async def _warm_up(self) -> None:
+        """One real forward pass before readiness: proves weights, KV cache and the step thread work."""
+        stream = await self.engine_loop.submit(f"warmup-{uuid.uuid4().hex}", [0], SamplingParams(max_tokens=1))
+        while True:
+            out = await stream.get()
+            if isinstance(out, BaseException):
+                raise out
+            if out.finished:
+                return
+
+    def is_ready(self) -> bool:
+        return (self.warm and not self.draining and self.engine_loop is not None
+                and self.engine_loop.stepping())
+
+    def begin_drain(self) -> None:
+        """First call: stop admitting and drain. A second call: abort what is in flight now."""
+        if self.draining:
+            log.warning("second stop signal: aborting %d in-flight requests", self.active)
+            if self.engine_loop is not None:
+                self._abort_everything()
+            return
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %.0f s", self.active, self.config.drain_timeout_s)
+        asyncio.get_running_loop().create_task(self._drain())
+
+    def _abort_everything(self) -> None:
+        for stream in list(self.engine_loop._streams.values()):
+            stream.put_nowait(EngineDeadError("aborted: the server is shutting down"))
+        self.engine_loop.abort_all()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active and self.engine_loop is not None:
+            log.warning("drain timeout: aborting %d requests", self.active)
+            self._abort_everything()
+            end = time.monotonic() + 5
+            while self.active and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        log.info("drained")
+        self.stopped.set()
+
+    def close(self) -> None:
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
+
+    # ---- middleware ------------------------------------------------------------
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except P.ApiError as e:
+            if request.path.startswith("/v1/") and request.method == "POST":
+                self.metrics.reject(e.status)
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
+        except web.HTTPException as e:   # unknown route, wrong method, body over client_max_size
+            if e.status < 400:
+                raise
+            status = e.status
+            message = {404: f"no route {request.method} {request.path}",
+                       405: f"method {request.method} is not allowed on {request.path}",
+                       413: f"request body exceeds {self.config.max_body_bytes} bytes"}.get(status, e.reason)
+            if status == 413:
+                self.metrics.reject(413)
+            return web.json_response(P.error_body(status, message), status=status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the server keeps serving; the client gets a 500 body
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return web.json_response(P.error_body(500, f"internal error: {type(e).__name__}"), status=500)
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key and request.path.startswith(GUARDED_PREFIXES):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise P.ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+        return await handler(request)
+
+    # ---- probes, metrics, models -----------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers and the engine (once loaded) has not died."""
+        if self.engine_loop is not None and not self.engine_loop.alive:
+            return web.json_response({"status": "engine dead", "error": repr(self.engine_loop.error)}, status=503)
+        if self.load_error is not None:
+            return web.json_response({"status": "load failed", "error": str(self.load_error)}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.is_ready():
+            return web.json_response({"ready": True})
+        reason = ("draining" if self.draining else "loading model" if not self.warm
+                  else "engine not stepping")
+        return web.json_response({"ready": False, "reason": reason}, status=503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        ctx = self.limits.max_model_len if self.limits else 0
+        return web.json_response(P.models_response(list(self.config.served_model_names), self.created, ctx))
+
+    async def cache_blocks(self, request: web.Request) -> web.Response:
+        """Hashes of the full blocks now in the prefix cache, for cache-aware routing (spec in block_pool.py)."""
+        if self.engine is None:
+            raise P.ApiError(503, "model is loading")
+        hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
+        return web.json_response({"model": self.config.served_model_names[0],
+                                  "block_size": self.engine.kv.block_size,
+                                  "hash": "sha256-chain-uint32le", "num_blocks": len(hashes),
+                                  "block_hashes": hashes})
+
+    # ---- generation ------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, P.parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, P.parse_chat)
+
+    async def _read_json(self, request: web.Request):
+        length = request.content_length
+        if length is not None and length > self.config.max_body_bytes:
+            raise P.ApiError(413, f"request body of {length} bytes exceeds {self.config.max_body_bytes} bytes")
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise P.ApiError(400, f"request body is not valid JSON: {e}") from e
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise P.ApiError(503, "server is draining; send the request to another replica",
+                             headers={"Retry-After": str(self.config.retry_after_s)})
+        if self.engine_loop is not None and not self.engine_loop.alive:
+            raise P.ApiError(503, "engine is not running")
+        if not self.warm:
+            raise P.ApiError(503, "model is loading", headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        self._admit()
+        self.active += 1
+        try:
+            return await self._run_request(request, parse)
+        finally:
+            self.active -= 1
+
+    async def _run_request(self, request: web.Request, parse) -> web.StreamResponse:
+        arrival = time.monotonic()
+        req = parse(await self._read_json(request))
+        if req.model not in self.config.served_model_names:
+            raise P.ApiError(404, f"model '{req.model}' does not exist; this server serves "
+                                  f"{', '.join(self.config.served_model_names)}", "model")
+        engine = self.engine
+        ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
+        max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
+        params = P.sampling_params(req, max_tokens)
+        rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            stream = await self.engine_loop.submit(rid, ids, params)
+        except QueueFullError as e:
+            raise P.ApiError(429, f"server is at capacity: {e}",
+                             headers={"Retry-After": str(self.config.retry_after_s)}) from e
+        except EngineDeadError as e:
+            raise P.ApiError(503, str(e)) from e
+        except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
+            raise P.ApiError(400, str(e)) from e
+        run = _Run(self, rid, req, RequestTimer(arrival))
+        try:
+            if req.stream:
+                return await run.stream(request, stream)
+            return await run.collect(stream)
+        finally:
+            if not run.finished:
+                self.engine_loop.abort(rid)     # client went away or we failed: free the KV blocks
+
+
+class _Run:
+    """One request's journey from engine outputs to the HTTP response."""
+
+    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer):
+        self.server, self.rid, self.req, self.timer = server, rid, req, timer
+        self.model, self.created = req.model, P.now()
+        self.finished = False
+        self.saw_output = False
+        self.usage: dict | None = None
+        self.tokenizer = server.engine.tokenizer
+
+    async def outputs(self, stream: asyncio.Queue):
+        """Engine outputs for this request, with metrics recorded as they arrive."""
+        m = self.server.metrics
+        while True:
+            out = await stream.get()
+            if isinstance(out, BaseException):
+                raise out
+            at = time.monotonic()
+            gaps_before = len(self.timer.gaps)
+            self.timer.on_tokens(len(out.new_token_ids), at)
+            if not self.saw_output and out.new_token_ids:
+                self.saw_output = True
+                m.observe_first_output(self.timer, out.num_prompt_tokens, out.num_cached_tokens)
+            m.observe_gaps(self.timer.gaps[gaps_before:])
+            if out.finished:
+                self.finished = True
+                self.usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                m.observe_finished(self.timer, out.num_prompt_tokens, out.finish_reason, at)
+            yield out
+            if out.finished:
+                return
+
+    def _logprobs(self, out: RequestOutput) -> dict | None:
+        if out.logprobs is None or self.req.logprobs is None:
+            return None
+
+        def text(tid: int) -> str:
+            return self.tokenizer.decode([tid], skip_special_tokens=False) if self.tokenizer else str(tid)
+
+        infos = [P.TokenInfo(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
+                 for lp in out.logprobs]
+        return P.chat_logprobs(infos) if self.req.kind == "chat" else P.completion_logprobs(infos)
+
+    async def collect(self, stream: asyncio.Queue) -> web.Response:
+        text, reason, lps = [], None, []
+        try:
+            async for out in self.outputs(stream):
+                text.append(out.text_delta)
+                reason = out.finish_reason
+                lp = self._logprobs(out)
+                if lp is not None:
+                    lps.append(lp)
+        except EngineDeadError as e:
+            raise P.ApiError(503, str(e)) from e
+        logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
+        make = P.chat_response if self.req.kind == "chat" else P.completion_response
+        return web.json_response(make(self.rid, self.model, self.created, "".join(text), reason, self.usage,
+                                      logprobs))
+
+    async def stream(self, request: web.Request, stream: asyncio.Queue) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chat = self.req.kind == "chat"
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        if chat:
+            await send(P.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
+        try:
+            async for out in self.outputs(stream):
+                if not out.text_delta and not out.finished and not out.logprobs:
+                    continue
+                lp = self._logprobs(out)
+                if chat:
+                    delta = {"content": out.text_delta} if out.text_delta else {}
+                    await send(P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp))
+                else:
+                    await send(P.completion_chunk(self.rid, self.model, self.created, out.text_delta,
+                                                  out.finish_reason, lp))
+            if self.req.include_usage:
+                await send(P.usage_chunk(self.rid, self.model, self.created, self.req.kind, self.usage))
+        except EngineDeadError as e:
+            await send(P.error_body(503, str(e)))
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+def _merge_logprobs(parts: list[dict], kind: str) -> dict | None:
+    if kind == "chat":
+        return {"content": [c for p in parts for c in p["content"]]}
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    pos = 0
+    for p in parts:
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            merged[key] += p[key]
+    for tok in merged["tokens"]:
+        merged["text_offset"].append(pos)
+        pos += len(tok)
+    return merged

@@ -1,0 +1,41 @@
+"""Turn chat messages and prompts into token ids with the checkpoint's tokenizer."""
+from __future__ import annotations
+
+from tokenfleet_serving.engine.tokenizer import Tokenizer
+
+from .protocol import ApiError, GenerationRequest
+
+
+def render_chat(tokenizer: Tokenizer | None, messages: list[dict]) -> list[int]:
+    """Render with the chat template from tokenizer_config.json, then tokenize.
+
+    The template writes the special tokens itself (BOS included when the model
+    wants one), so the rendered text is encoded without adding any.
+    """
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ApiError(400, "this model has no chat template (tokenizer_config.json 'chat_template'); "
+                            "use /v1/completions", "messages")
+    import jinja2
+
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        raise ApiError(400, f"chat template rejected the messages: {e}", "messages") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_token_ids(tokenizer: Tokenizer | None, req: GenerationRequest, vocab_size: int) -> list[int]:
+    if req.kind == "chat":
+        ids = render_chat(tokenizer, req.messages or [])
+    elif req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    else:
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send 'prompt' as token ids", "prompt")
+        ids = tokenizer.encode(req.prompt_text or "")
+    if not ids:
+        raise ApiError(400, "the prompt tokenizes to no tokens", "messages" if req.kind == "chat" else "prompt")
+    return ids

@@ -1,0 +1,185 @@
+"""Run the engine's step loop in its own thread and bridge it to asyncio.
+
+The event loop never takes the engine lock: adds and aborts go into an inbox
+the step thread drains between steps, and each step's outputs come back to
+the event loop with ``call_soon_threadsafe``, one ``asyncio.Queue`` per
+request. A forward pass therefore never stalls the HTTP server, and
+``/metrics`` reads a stats snapshot published after every step.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenfleet_serving.engine.engine import EngineStats, LLMEngine
+from tokenfleet_serving.engine.request import RequestOutput
+from tokenfleet_serving.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The step thread stopped on an exception; no request can make progress."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    stats: EngineStats
+    taken_at: float          # time.monotonic()
+    drained_seq: int         # every submission with seq <= this is inside the engine
+
+
+OutputListener = Callable[[list[RequestOutput], float], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, max_queue: int,
+                 idle_wait_s: float = 0.2):
+        self.engine, self.loop, self.max_queue = engine, loop, max_queue
+        self.idle_wait_s = idle_wait_s
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._streams: dict[str, asyncio.Queue] = {}     # touched only on the event loop
+        self._submitted_seq = 0
+        self._drained_seq = 0                             # written by the step thread
+        self.listeners: list[OutputListener] = []
+        self.error: BaseException | None = None
+        self.heartbeat = time.monotonic()                 # last loop iteration of the step thread
+        self.snapshot = Snapshot(engine.stats(), time.monotonic(), 0)
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stepping(self, within_s: float = 30.0) -> bool:
+        """The step thread is alive and went round its loop recently (a step or an idle wake-up)."""
+        return self.alive and time.monotonic() - self.heartbeat < within_s
+
+    # ---- event-loop side -------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def queue_depth(self) -> int:
+        """Requests waiting in the engine plus those submitted since the last snapshot."""
+        snap = self.snapshot
+        return snap.stats.num_waiting + (self._submitted_seq - snap.drained_seq)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                     ) -> asyncio.Queue:
+        """Hand a request to the engine; returns the queue its outputs arrive on.
+
+        Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if self.queue_depth() >= self.max_queue:
+            raise QueueFullError(f"{self.queue_depth()} requests are waiting (limit {self.max_queue})")
+        accepted = self.loop.create_future()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._submitted_seq += 1
+        self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, accepted))
+        self._wake.set()
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)    # cancelled after the engine took it: do not leave it running
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream is dropped (nobody reads it)."""
+        self._streams.pop(request_id, None)
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        for rid in list(self._streams):
+            self._inbox.append(("abort", rid))
+        self._wake.set()
+
+    def _deliver(self, outputs: list[RequestOutput], at: float, snapshot: Snapshot | None) -> None:
+        if snapshot is not None:
+            self.snapshot = snapshot
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        for listener in self.listeners:
+            listener(outputs, at)
+
+    def _fail_all(self, error: BaseException) -> None:
+        dead = EngineDeadError(f"engine stopped: {error!r}")
+        for stream in self._streams.values():
+            stream.put_nowait(dead)
+        self._streams.clear()
+
+    # ---- step thread -----------------------------------------------------------
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if cmd[0] == "add":
+                _, seq, rid, ids, params, fut = cmd
+                try:
+                    self.engine.add_request(rid, ids, params)
+                    error = None
+                except ValueError as e:
+                    error = e
+                self._drained_seq = seq
+                self.loop.call_soon_threadsafe(self._resolve, fut, error)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        snap = Snapshot(self.engine.stats(), now, self._drained_seq)
+        self.loop.call_soon_threadsafe(self._deliver, outputs, now, snap)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self.heartbeat = time.monotonic()
+                self._wake.clear()
+                self._drain_inbox()
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                else:
+                    self._publish([])
+                    self._wake.wait(self.idle_wait_s)
+        except BaseException as e:  # the engine is broken: fail every request, stop stepping
+            self.error = e
+            try:
+                self.loop.call_soon_threadsafe(self._fail_all, e)
+            except RuntimeError:     # event loop already closed
+                pass
+            raise

@@ -1,0 +1,233 @@
+"""Prometheus metrics under vLLM's names, plus tokenfleet's own.
+
+Gateways (Gateway API Inference Extension, llm-d), KEDA scalers and
+benchmark tools (inference-perf) query vLLM's names, so this server uses them
+with vLLM's types and histogram buckets. Counters are exposed by
+prometheus_client with the ``_total`` suffix (``vllm:prompt_tokens_total``),
+exactly as vLLM exposes them.
+
+Two sources feed the registry:
+- engine state and engine-wide counters, read from the latest step snapshot
+  at scrape time (a custom collector, so a scrape never takes the engine lock);
+- per-request latencies, observed here as outputs reach the HTTP layer
+  (TTFT from the moment the request arrived at the server).
+"""
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenfleet_serving.engine.engine import EngineStats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+def length_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's request-length buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_len:
+                return tuple(out)
+            out.append(v)
+        exp += 1
+
+
+class RateWindow:
+    """Rate of a cumulative count over a sliding time window (pure: times are passed in)."""
+
+    def __init__(self, window_s: float = 60.0, min_spacing_s: float = 0.5):
+        self.window_s, self.min_spacing_s = window_s, min_spacing_s
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, t: float, cumulative: float) -> None:
+        if len(self.samples) >= 2 and t - self.samples[-2][0] < self.min_spacing_s:
+            self.samples[-1] = (t, cumulative)     # coalesce: samples stay min_spacing_s apart
+        else:
+            self.samples.append((t, cumulative))
+        while len(self.samples) > 2 and self.samples[1][0] <= t - self.window_s:
+            self.samples.popleft()
+
+    def rate(self) -> float:
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float) -> float | None:
+    """Accelerator dollars per million output tokens at the current throughput (None when idle)."""
+    if tokens_per_second <= 0 or not math.isfinite(tokens_per_second):
+        return None
+    return price_per_hour / (tokens_per_second * 3600.0) * 1e6
+
+
+@dataclass
+class RequestTimer:
+    """Latency bookkeeping for one request, fed with the times its outputs arrive."""
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def on_tokens(self, n: int, at: float) -> None:
+        if n <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = at
+        else:
+            self.gaps.append(at - self.last_token)
+        self.last_token = at
+        self.num_tokens += n
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (N - 1)."""
+        if self.num_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.num_tokens - 1)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, *, max_model_len: int = 4096, price_per_hour: float | None = None,
+                 prefix_caching: bool = True, window_s: float = 60.0):
+        self.model_name, self.price_per_hour = model_name, price_per_hour
+        self.prefix_caching = prefix_caching
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self.labels = {"model_name": model_name, "engine": "0"}
+        reg = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(**self.labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=reg).labels(**self.labels)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              labels, buckets=ITL_BUCKETS, registry=reg).labels(**self.labels)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=reg).labels(**self.labels)
+        lengths = length_buckets(max_model_len)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                    labels, buckets=lengths, registry=reg).labels(**self.labels)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                 labels, buckets=lengths, registry=reg).labels(**self.labels)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     labels, registry=reg).labels(**self.labels)
+        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
+                                            "Number of prompt tokens served from the prefix cache.",
+                                            labels, registry=reg).labels(**self.labels)
+        self.rejected = Counter("tokenfleet:requests_rejected", "Requests refused before reaching the engine, "
+                                "by HTTP status.", ["model_name", "code"], registry=reg)
+        self.output_rate = RateWindow(window_s)
+        self.snapshot: Callable[[], EngineStats | None] = lambda: None
+        self.state: Callable[[], dict[str, bool]] = lambda: {}
+        reg.register(_EngineCollector(self))
+
+    def observe_finished(self, timer: RequestTimer, num_prompt_tokens: int, finish_reason: str | None,
+                         at: float) -> None:
+        if finish_reason == "abort":
+            return
+        self.e2e.observe(at - timer.arrival)
+        if timer.tpot is not None:
+            self.tpot.observe(timer.tpot)
+        self.prompt_len.observe(num_prompt_tokens)
+        self.gen_len.observe(timer.num_tokens)
+
+    def observe_first_output(self, timer: RequestTimer, num_prompt_tokens: int, num_cached: int) -> None:
+        if timer.ttft is not None:
+            self.ttft.observe(timer.ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_tokens_cached.inc(num_cached)
+
+    def observe_gaps(self, gaps: Iterable[float]) -> None:
+        for g in gaps:
+            self.itl.observe(g)
+
+    def on_snapshot(self, stats: EngineStats, at: float) -> None:
+        self.output_rate.add(at, stats.generation_tokens)
+
+    def reject(self, code: int) -> None:
+        self.rejected.labels(model_name=self.model_name, code=str(code)).inc()
+
+
+class _EngineCollector:
+    """Engine gauges and engine-wide counters, read from the latest snapshot at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.m
+        names, values = list(m.labels), list(m.labels.values())
+        state = m.state()
+        for key, doc in (("ready", "1 when the model is loaded, the engine is stepping and the server admits."),
+                         ("draining", "1 after SIGTERM while in-flight requests finish.")):
+            g = GaugeMetricFamily(f"tokenfleet:{key}", doc, labels=names)
+            g.add_metric(values, 1.0 if state.get(key) else 0.0)
+            yield g
+        s = m.snapshot()
+        if s is None:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=names + ["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric(values + [str(s.block_size), str(s.num_kv_blocks), str(m.prefix_caching)], 1.0)
+        yield info
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=names + ["finished_reason"])
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+            success.add_metric(values + [reason], s.finished.get(reason, 0))
+        yield success
+        yield counter("tokenfleet:prompt_tokens_computed", "Prompt tokens run through the model "
+                      "(prompt tokens minus prefix-cache hits, plus recomputation after preemption).",
+                      s.prompt_tokens)
+        yield counter("tokenfleet:engine_steps", "Engine steps (forward passes) run.", s.num_steps)
+        yield gauge("tokenfleet:kv_cache_blocks", "KV blocks in the pool.", s.num_kv_blocks)
+        rate = m.output_rate.rate()
+        yield gauge("tokenfleet:output_tokens_per_second",
+                    f"Generated tokens per second over the last {m.output_rate.window_s:g} s.", rate)
+        if m.price_per_hour is not None:
+            cost = cost_per_million_tokens(m.price_per_hour, rate)
+            if cost is not None:
+                yield gauge("tokenfleet:cost_per_million_tokens_usd",
+                            "Accelerator price per hour divided by output tokens per hour, per million tokens.",
+                            cost)

@@ -1,0 +1,400 @@
+"""The OpenAI-compatible wire protocol: parse and validate requests, shape responses and errors.
+
+Pure functions over decoded JSON: no I/O, no engine. Every rejection is an
+:class:`ApiError` that names the offending field, so a client learns what to fix.
+The server turns it into the OpenAI error body ``{"error": {...}}``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet_serving.engine.sampling_params import SamplingParams
+
+# HTTP status -> OpenAI error "type"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the HTTP status and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+
+
+def bad(param: str, why: str) -> ApiError:
+    return ApiError(400, f"'{param}' {why}", param)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side bounds a request must fit in (configured at startup)."""
+    max_model_len: int                 # context length: prompt + output tokens
+    max_prompt_tokens: int             # <= max_model_len - 1
+    max_tokens_limit: int              # largest max_tokens a client may ask for
+    kv_capacity_tokens: int            # tokens the whole KV pool holds; one request must fit
+
+
+# ---- typed field readers -----------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise bad(name, f"must be an integer, got {type(v).__name__}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise bad(name, f"must be in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def _float(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v):
+        raise bad(name, f"must be a finite number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad(name, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def _string(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad(name, f"must be a string, got {type(v).__name__}")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "must be a string or a list of strings")
+    if len(v) > 16:
+        raise bad("stop", f"allows at most 16 sequences, got {len(v)}")
+    if any(not s for s in v):
+        raise bad("stop", "must not contain empty strings")
+    return tuple(v)
+
+
+def _token_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad(name, "must be a list of integer token ids")
+    return v
+
+
+# ---- requests ---------------------------------------------------------------
+
+# Fields accepted by both endpoints. OpenAI fields we do not act on are listed
+# with the only value we accept; anything else outside these sets is an error.
+_SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+                    "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias",
+                    # vLLM extras (extra_body in the openai client)
+                    "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+                    "include_stop_str_in_output", "skip_special_tokens"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request, ready to tokenize and hand to the engine."""
+    kind: str                          # "completion" or "chat"
+    model: str
+    prompt_text: str | None            # completions: text prompt
+    prompt_token_ids: list[int] | None  # completions: pre-tokenized prompt
+    messages: list[dict] | None        # chat: normalized messages
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None             # None: fill the context (chat) -- resolved by resolve_max_tokens
+    sampling: dict = field(default_factory=dict)   # SamplingParams kwargs except max_tokens
+    logprobs: int | None = None        # top-N alternatives; None: no logprobs
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(unknown[0], "is not a supported parameter")
+
+
+def _common(body: dict) -> tuple[str, bool, bool, dict]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required and must be a non-empty string")
+    stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options", "must be an object")
+        if not stream:
+            raise bad("stream_options", "is only allowed when 'stream' is true")
+        extra = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
+        if extra:
+            raise bad(f"stream_options.{extra[0]}", "is not a supported parameter")
+        include_usage = bool(_bool(opts, "include_usage"))
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise bad("n", f"must be 1 (one choice per request), got {n}")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias", "is not supported")
+    if body.get("user") is not None:
+        _string(body, "user")
+    sampling: dict[str, Any] = {}
+    for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                                  ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
+                                  ("frequency_penalty", -2.0, 2.0, False),
+                                  ("repetition_penalty", 0.0, 2.0, True)):
+        v = _float(body, name, lo, hi, lo_open)
+        if v is not None:
+            sampling[name] = v
+    top_k = _int(body, "top_k", -1, 1_000_000)
+    if top_k is not None:
+        sampling["top_k"] = top_k
+    seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    if seed is not None:
+        sampling["seed"] = seed
+    stop = _stop(body)
+    if stop:
+        sampling["stop"] = stop
+    if body.get("stop_token_ids") is not None:
+        sampling["stop_token_ids"] = tuple(_token_list(body["stop_token_ids"], "stop_token_ids"))
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        v = _bool(body, name)
+        if v is not None:
+            sampling[name] = v
+    return model, stream, include_usage, sampling
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS)
+    model, stream, include_usage, sampling = _common(body)
+    prompt = body.get("prompt")
+    # one prompt per request: a string, a token list, or a one-element list of either
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    text, ids = None, None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt", "must not be empty")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("prompt", "must be a single prompt; send one request per prompt")
+    else:
+        raise bad("prompt", "is required: a non-empty string or a list of token ids")
+    if body.get("echo"):
+        raise bad("echo", "is not supported")
+    if body.get("suffix") is not None:
+        raise bad("suffix", "is not supported")
+    best_of = _int(body, "best_of", 1)
+    if best_of not in (None, 1):
+        raise bad("best_of", f"must be 1, got {best_of}")
+    logprobs = _int(body, "logprobs", 0, 20)
+    max_tokens = _int(body, "max_tokens", 1)
+    return GenerationRequest("completion", model, text, ids, None, stream, include_usage,
+                             16 if max_tokens is None else max_tokens, sampling, logprobs)
+
+
+def _message_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content[{i}]", "must be a text part {\"type\": \"text\", \"text\": ...}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"{where}.content", "must be a string or a list of text parts")
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Chat messages as ``[{"role", "content": str}]`` for the chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "is required and must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "must be an object")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        msg = {"role": role, "content": _message_content(content, where)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS)
+    model, stream, include_usage, sampling = _common(body)
+    messages = normalize_messages(body.get("messages"))
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 20)
+    if top is not None and not want_logprobs:
+        raise bad("top_logprobs", "requires 'logprobs' to be true")
+    logprobs = (top or 0) if want_logprobs else None
+    return GenerationRequest("chat", model, None, None, messages, stream, include_usage,
+                             max_tokens, sampling, logprobs)
+
+
+def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: Limits) -> int:
+    """Check the prompt against the limits and settle max_tokens (OpenAI: prompt + output <= context)."""
+    if num_prompt_tokens > limits.max_prompt_tokens:
+        raise ApiError(400, f"prompt has {num_prompt_tokens} tokens; this server accepts at most "
+                            f"{limits.max_prompt_tokens} prompt tokens", "messages" if req.kind == "chat" else "prompt")
+    room = min(limits.max_model_len, limits.kv_capacity_tokens) - num_prompt_tokens
+    if room < 1:
+        raise ApiError(400, f"prompt has {num_prompt_tokens} tokens, leaving no room for output in this "
+                            f"model's context of {min(limits.max_model_len, limits.kv_capacity_tokens)} tokens",
+                       "messages" if req.kind == "chat" else "prompt")
+    name = "max_tokens"
+    if req.max_tokens is None:
+        return min(room, limits.max_tokens_limit)
+    if req.max_tokens > limits.max_tokens_limit:
+        raise bad(name, f"must be <= {limits.max_tokens_limit} on this server, got {req.max_tokens}")
+    if req.max_tokens > room:
+        raise ApiError(400, f"this model's maximum context length is {limits.max_model_len} tokens "
+                            f"(KV cache {limits.kv_capacity_tokens}); you requested {num_prompt_tokens + req.max_tokens} "
+                            f"tokens ({num_prompt_tokens} in the prompt, {req.max_tokens} for the completion)", name)
+    return req.max_tokens
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
+    except ValueError as e:   # the engine's own checks, already field-named
+        raise ApiError(400, str(e)) from e
+
+
+# ---- responses --------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass
+class TokenInfo:
+    """One generated token with its logprob and top alternatives, as text."""
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def completion_logprobs(tokens: list[TokenInfo], text_offset_start: int = 0) -> dict:
+    offsets, pos = [], text_offset_start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{tok: lp for tok, lp in t.top} for t in tokens], "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[TokenInfo]) -> dict:
+    def entry(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    return {"content": [dict(entry(t.token, t.logprob), top_logprobs=[entry(a, b) for a, b in t.top])
+                        for t in tokens]}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, kind: str, usage_body: dict) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_body}
+
+
+def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                        usage_body: dict, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_body}
+
+
+def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                  usage_body: dict, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_body}
+
+
+def models_response(names: list[str], created: int, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "tokenfleet",
+                                        "max_model_len": max_model_len} for n in names]}
+
+
+def now() -> int:
+    return int(time.time())
