@@ -1,0 +1,122 @@
+"""Slice -> member pod manifests.
+
+Member i of attempt a is the pod SLICE-i labelled with the attempt and the
+spec revision. The first container is the main one: it gets the accelerator
+request and the TOKENFLEET_* environment. Pods never restart in place
+(restartPolicy Never): a member that exits fails the gang, and the Slice
+controller restarts all members together.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.naming import (
+    ACCELERATOR_NODE_LABEL,
+    ATTEMPT_LABEL,
+    LEADER_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    MEMBER_LABEL,
+    REVISION_LABEL,
+    ROLE_LABEL,
+    SLICE_LABEL,
+    member_pod_name,
+    owner_reference,
+)
+
+
+def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, restore_from: str | None) -> list[dict[str, str]]:
+    env = [
+        {"name": "TOKENFLEET_SLICE", "value": slice_name},
+        {"name": "TOKENFLEET_MEMBER_INDEX", "value": str(member)},
+        {"name": "TOKENFLEET_SLICE_HOSTS", "value": str(spec.hosts)},
+        {"name": "TOKENFLEET_LEADER_POD", "value": member_pod_name(slice_name, 0)},
+        {"name": "TOKENFLEET_ATTEMPT", "value": str(attempt)},
+    ]
+    if spec.topology:
+        env.append({"name": "TOKENFLEET_TOPOLOGY", "value": spec.topology})
+    if spec.checkpoint is not None:
+        env.append({"name": "TOKENFLEET_CHECKPOINT_STORE", "value": spec.checkpoint.store})
+        env.append({"name": "TOKENFLEET_CHECKPOINT_INTERVAL_SECONDS", "value": str(spec.checkpoint.interval_seconds)})
+        if restore_from:
+            env.append({"name": "TOKENFLEET_RESTORE_FROM", "value": restore_from})
+    return env
+
+
+def _with_accelerator(container: dict[str, Any], spec: SliceSpec) -> None:
+    if spec.accelerator.type == "cpu":
+        return
+    resources = container.setdefault("resources", {})
+    count = str(spec.accelerator.count_per_host)
+    for kind in ("requests", "limits"):
+        resources.setdefault(kind, {})[spec.accelerator.resource_name] = count
+
+
+def _with_colocation(pod_spec: dict[str, Any], slice_name: str, spec: SliceSpec) -> None:
+    """Simple placement: ask the default scheduler to keep the members in one
+    topology domain. Preferred, not required, so members still schedule on
+    nodes without the label; the gang placer binds nodes explicitly instead."""
+    affinity = pod_spec.setdefault("affinity", {})
+    if "podAffinity" in affinity:
+        return
+    affinity["podAffinity"] = {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 100,
+                "podAffinityTerm": {
+                    "labelSelector": {"matchLabels": {SLICE_LABEL: slice_name}},
+                    "topologyKey": spec.topology_key,
+                },
+            }
+        ]
+    }
+
+
+def member_pod(
+    owner: dict[str, Any],
+    spec: SliceSpec,
+    member: int,
+    *,
+    attempt: int,
+    revision: str,
+    node: str | None = None,
+    restore_from: str | None = None,
+) -> dict[str, Any]:
+    """The pod of one member. `node` binds it directly (a gang placer's decision);
+    without it the default scheduler places the pod."""
+    name = owner["metadata"]["name"]
+    template_meta = spec.template.metadata
+    labels = dict(template_meta.labels or {}) if template_meta else {}
+    labels.update({
+        MANAGED_BY_LABEL: MANAGED_BY,
+        SLICE_LABEL: name,
+        MEMBER_LABEL: str(member),
+        ATTEMPT_LABEL: str(attempt),
+        REVISION_LABEL: revision,
+        ROLE_LABEL: spec.role,
+        LEADER_LABEL: "true" if member == 0 else "false",
+    })
+    annotations = dict(template_meta.annotations or {}) if template_meta and template_meta.annotations else {}
+    pod_spec = copy.deepcopy(spec.template.spec)
+    pod_spec["restartPolicy"] = "Never"
+    containers = pod_spec["containers"]
+    main = containers[0]
+    _with_accelerator(main, spec)
+    main["env"] = list(main.get("env", [])) + member_env(name, spec, member, attempt, restore_from)
+    if spec.accelerator.type != "cpu":
+        pod_spec["nodeSelector"] = dict(pod_spec.get("nodeSelector", {})) | {ACCELERATOR_NODE_LABEL: spec.accelerator.type}
+    if node:
+        pod_spec["nodeName"] = node
+    elif spec.hosts > 1:
+        _with_colocation(pod_spec, name, spec)
+    metadata: dict[str, Any] = {
+        "name": member_pod_name(name, member),
+        "namespace": owner["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,198 @@
+"""The one thin layer that talks to the API server.
+
+Children and status are written with server-side apply under one field
+manager (``tokenfleet``), so the operator owns exactly the fields it sets
+and never touches a user's spec. Everything else here is plain get, list,
+create and delete, plus Events.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from tokenfleet_operator.naming import FIELD_MANAGER
+
+log = logging.getLogger("tokenfleet.kube")
+
+# kind -> (plural, namespaced)
+_PLURALS: dict[str, tuple[str, bool]] = {
+    "Pod": ("pods", True),
+    "Service": ("services", True),
+    "ConfigMap": ("configmaps", True),
+    "Event": ("events", True),
+    "PersistentVolumeClaim": ("persistentvolumeclaims", True),
+    "Deployment": ("deployments", True),
+    "Node": ("nodes", False),
+    "InferenceService": ("inferenceservices", True),
+    "Slice": ("slices", True),
+}
+
+
+class KubeError(RuntimeError):
+    """An API call failed; status is the HTTP status (0 when there was none)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status in (0, 409, 429) or self.status >= 500
+
+
+@dataclass(frozen=True)
+class Ref:
+    api_version: str
+    kind: str
+    name: str
+    namespace: str | None = None
+
+
+def ref_of(obj: dict[str, Any]) -> Ref:
+    meta = obj["metadata"]
+    return Ref(obj["apiVersion"], obj["kind"], meta["name"], meta.get("namespace"))
+
+
+def path_for(api_version: str, kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+    plural, namespaced = _PLURALS[kind]
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespaced:
+        if not namespace:
+            raise ValueError(f"{kind} {name}: a namespace is required")
+        base += f"/namespaces/{namespace}"
+    path = f"{base}/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def load_api_client() -> client.ApiClient:
+    """In a pod: the ServiceAccount token. Elsewhere: $KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient | None = None):
+        self.api = api_client or load_api_client()
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None, content_type: str | None = None) -> Any:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            return self.api.call_api(
+                path, method,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                response_type="object",
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _preload_content=True,
+            )
+        except ApiException as e:
+            message = e.reason or ""
+            try:
+                message = json.loads(e.body).get("message", message)
+            except (TypeError, ValueError, AttributeError):
+                pass
+            raise KubeError(e.status or 0, f"{method} {path}: {e.status} {message}") from None
+        except Exception as e:  # connection errors and the like
+            raise KubeError(0, f"{method} {path}: {e}") from e
+
+    def apply(self, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
+        """Server-side apply as field manager 'tokenfleet' (force: the operator owns its children)."""
+        r = ref_of(manifest)
+        path = path_for(r.api_version, r.kind, r.namespace, r.name, subresource)
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return self._call("PATCH", path, body=json.dumps(manifest), query=query, content_type="application/apply-patch+yaml")
+
+    def apply_status(self, obj: dict[str, Any], status: dict[str, Any], *, resource_version: str | None = None) -> dict[str, Any]:
+        """Apply the whole status. With resource_version, fail with 409 if the object changed since it was read."""
+        meta: dict[str, Any] = {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]}
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": meta, "status": status}
+        return self.apply(body, subresource="status")
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", path_for(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        out = self._call("GET", path_for(api_version, kind, namespace), query=query)
+        items = out.get("items", [])
+        for item in items:  # lists leave apiVersion/kind out of the items
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """Create; None if an object of that name already exists."""
+        r = ref_of(manifest)
+        try:
+            return self._call("POST", path_for(r.api_version, r.kind, r.namespace), body=manifest,
+                              query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
+        except KubeError as e:
+            if e.status == 409:
+                return None
+            raise
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str, *, uid: str | None = None) -> bool:
+        """Delete (background propagation); False if it was already gone."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self._call("DELETE", path_for(api_version, kind, namespace, name), body=body, content_type="application/json")
+            return True
+        except KubeError as e:
+            if e.status in (404, 409):
+                return False
+            raise
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event on obj (shown by kubectl describe). Failures are logged, never raised."""
+        meta = obj["metadata"]
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+                "namespace": meta["namespace"], "uid": meta.get("uid"),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": "tokenfleet-operator"},
+            "reportingComponent": "tokenfleet.dev/operator",
+            "reportingInstance": "tokenfleet-operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self._call("POST", path_for("v1", "Event", meta["namespace"]), body=event, content_type="application/json")
+        except KubeError as e:
+            log.warning("could not record event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], e)
