@@ -165,8 +165,7 @@ def plan_slice(
         # A new spec is a new gang: fresh restart budget.
         restarts, last_restart, not_before = 0, None, None
         plan.events.append(Event("Normal", "SpecChanged", f"spec changed (revision {revision}); recreating all {spec.hosts} members"))
-        if phase == "Failed":
-            phase = "Pending"
+        phase = "Placing"
     attempt = restarts
 
     live = [p for p in pods if not p.deleting]
@@ -242,7 +241,13 @@ def plan_slice(
         ])
 
     # 3. A member of the current attempt failed: restart the whole gang, or give up.
-    failure = _failure(current, spec.hosts, was_running=phase in ("Ready", "Degraded"))
+    # Members missing from a running gang are lost, unless they are being replaced.
+    failure = _failure(current, spec.hosts, was_running=phase in ("Ready", "Degraded") and not stale and not terminating)
+    # A pod of the current attempt that is being deleted was not deleted by us
+    # (we only delete older attempts): an eviction, a drain or a person.
+    deleted = [p for p in terminating if p.revision == revision and p.attempt == attempt and p.member is not None]
+    if deleted and not failure:
+        failure = ("MemberDeleted", deleted[0].member, f"pod {deleted[0].name} is being deleted")
     if failure:
         reason, member, message = failure
         plan.delete.extend(x.name for x in current)

@@ -73,7 +73,8 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
         args += ["--max-model-len", str(eng.max_model_len)]
     if eng.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-    args.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
+    if not eng.enable_prefix_caching:
+        args.append("--no-prefix-caching")
     if eng.quantization != "none":
         args += ["--quantization", eng.quantization]
     if eng.speculative_decoding is not None:
@@ -81,6 +82,9 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
         args += ["--speculative-method", sd.method, "--num-speculative-tokens", str(sd.num_speculative_tokens)]
         if sd.draft_model:
             args += ["--speculative-draft-model", sd.draft_model]
+    per_replica = hourly_cost(spec, 1)
+    if per_replica > 0:
+        args += ["--price-per-hour", f"{per_replica:g}"]
     args += list(eng.extra_args or [])
     return args
 

@@ -1,0 +1,206 @@
+"""InferenceService -> children, built without a cluster."""
+import json
+
+import pytest
+
+from tokenfleet_operator.api import InferenceServiceSpec, SliceSpec
+from tokenfleet_operator.builders.inference_service import (
+    desired_children,
+    engine_args,
+    hourly_cost,
+    model_storage,
+    router_config,
+    slice_manifest,
+)
+from tokenfleet_operator.builders.slice_pods import member_pod
+
+from operator_samples import isvc_body, slice_body
+
+
+def build(**overrides):
+    body = isvc_body(**overrides)
+    return body, InferenceServiceSpec.model_validate(body["spec"])
+
+
+def test_children_are_exactly_the_expected_objects():
+    body, spec = build()
+    children = desired_children(body, spec)
+    names = sorted((m["kind"], m["metadata"]["name"]) for m in (*children.slices, *children.others))
+    assert names == [
+        ("ConfigMap", "llama-router"),
+        ("Deployment", "llama-router"),
+        ("Service", "llama"),
+        ("Service", "llama-engines"),
+        ("Slice", "llama-0"),
+        ("Slice", "llama-1"),
+    ]
+    for m in (*children.slices, *children.others):
+        assert m["metadata"]["namespace"] == "ns"
+        [ref] = m["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "InferenceService", "name": "llama",
+                       "uid": "uid-isvc", "controller": True, "blockOwnerDeletion": True}
+        assert m["metadata"]["labels"]["tokenfleet.dev/inference-service"] == "llama"
+        assert m["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "tokenfleet"
+
+
+def test_building_is_deterministic_and_json_serialisable():
+    body, spec = build()
+    a, b = desired_children(body, spec), desired_children(body, spec)
+    assert a == b
+    json.dumps([*a.slices, *a.others])
+
+
+def test_slice_carries_the_replica_shape():
+    body, spec = build()
+    s = slice_manifest(body, spec, 1)
+    assert s["metadata"]["name"] == "llama-1"
+    assert s["metadata"]["labels"]["tokenfleet.dev/replica"] == "1"
+    assert s["spec"]["hosts"] == 2 and s["spec"]["topology"] == "2x4"
+    assert s["spec"]["accelerator"] == {"type": "nvidia-h100-80gb", "resourceName": "nvidia.com/gpu", "countPerHost": 4}
+    assert s["spec"]["topologyKey"] == "tokenfleet.dev/block"
+    assert s["spec"]["role"] == "serve"
+    # The slice spec must be something the Slice API itself accepts.
+    SliceSpec.model_validate(s["spec"])
+
+
+def test_revision_changes_with_the_serving_spec_but_not_with_replicas_or_price_of_router():
+    body, spec = build()
+    base = desired_children(body, spec).revision
+    assert desired_children(*build(replicas=5)).revision == base
+    assert desired_children(*build(routing={"policy": "least-load"})).revision == base
+    assert desired_children(*build(image="tokenfleet/serving:0.2.0")).revision != base
+    assert desired_children(*build(engine={"maxNumSeqs": 64})).revision != base
+
+
+def test_engine_command_line():
+    _, spec = build()
+    args = engine_args(spec, "/models/llama-8b")
+    assert args[:8] == ["tokenfleet", "serve", "--model", "/models/llama-8b", "--host", "0.0.0.0", "--port", "8000"]
+    text = " ".join(args)
+    assert "--served-model-name llama-8b --served-model-name llama" in text
+    assert "--dtype bfloat16" in text and "--block-size 16" in text and "--max-num-seqs 128" in text
+    assert "--max-model-len 8192" in text and "--max-num-batched-tokens 4096" in text
+    assert "--no-prefix-caching" not in text and "--quantization" not in text
+    assert "--price-per-hour 21" in text  # 8 accelerators * 2.5 + 1.0
+
+
+def test_engine_flags_for_optional_features():
+    _, spec = build(engine={"enablePrefixCaching": False, "quantization": "awq",
+                            "speculativeDecoding": {"method": "draft", "draftModel": "/models/tiny", "numSpeculativeTokens": 3},
+                            "extraArgs": ["--kv-cache-mb", "1024"]},
+                    price={"acceleratorPerHour": 0})
+    args = engine_args(spec, "/m")
+    text = " ".join(args)
+    assert "--no-prefix-caching" in args
+    assert "--quantization awq" in text
+    assert "--speculative-method draft --num-speculative-tokens 3 --speculative-draft-model /models/tiny" in text
+    assert args[-2:] == ["--kv-cache-mb", "1024"]
+    assert "--price-per-hour" not in text
+
+
+@pytest.mark.parametrize(
+    "model, volume, directory",
+    [
+        ({"path": "/opt/model", "servedModelNames": ["m"]}, None, "/opt/model"),
+        ({"pvc": {"claimName": "w"}, "servedModelNames": ["m"]}, {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}}, "/models"),
+        ({"pvc": {"claimName": "w", "subPath": "a/b/"}, "servedModelNames": ["m"]}, {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}}, "/models/a/b"),
+        ({"hostPath": {"path": "/data/m"}, "servedModelNames": ["m"]}, {"hostPath": {"path": "/data/m", "type": "Directory"}}, "/models"),
+    ],
+)
+def test_model_sources(model, volume, directory):
+    _, spec = build(model=model)
+    volumes, mounts, model_dir = model_storage(spec)
+    assert model_dir == directory
+    if volume is None:
+        assert volumes == [] and mounts == []
+    else:
+        assert volumes == [{"name": "model", **volume}]
+        assert mounts == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+
+
+def test_serving_container_has_probes_ports_and_resources():
+    body, spec = build(resources={"requests": {"cpu": "4", "memory": "32Gi"}})
+    container = desired_children(body, spec).slices[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"}}
+    assert container["volumeMounts"][0]["mountPath"] == "/models"
+
+
+def test_router_deployment_config_and_services():
+    body, spec = build(routing={"policy": "kv-aware", "replicas": 2, "sessionAffinity": {"enabled": True}})
+    cm, deploy, svc, engines = desired_children(body, spec).others
+    config = json.loads(cm["data"]["router.json"])
+    assert config == router_config(body, spec)
+    assert config["policy"] == "kv-aware"
+    assert config["sessionAffinity"] == {"enabled": True, "header": "x-session-id", "ttlSeconds": 600}
+    assert config["backends"]["dns"] == "llama-engines.ns.svc" and config["backends"]["port"] == 8000
+    assert config["models"] == ["llama-8b", "llama"]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["command"][:2] == ["tokenfleet", "route"]
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert engines["spec"]["clusterIP"] == "None"
+    assert engines["spec"]["selector"] == {"tokenfleet.dev/inference-service": "llama", "tokenfleet.dev/role": "serve",
+                                           "tokenfleet.dev/leader": "true"}
+
+
+def test_router_rolls_when_its_config_changes():
+    a = desired_children(*build()).others[1]["spec"]["template"]["metadata"]["annotations"]
+    b = desired_children(*build(routing={"policy": "round-robin"})).others[1]["spec"]["template"]["metadata"]["annotations"]
+    assert a != b
+
+
+def test_hourly_cost():
+    _, spec = build()
+    assert hourly_cost(spec, 2) == 2 * (8 * 2.5 + 1.0)
+    assert hourly_cost(spec, 0) == 0
+    _, cpu = build(accelerator={"type": "cpu"}, price={"acceleratorPerHour": 9, "overheadPerHour": 0.5})
+    assert hourly_cost(cpu, 3) == 1.5
+
+
+def test_member_pod_of_a_slice():
+    body = slice_body()
+    spec = SliceSpec.model_validate(body["spec"])
+    pod = member_pod(body, spec, 1, attempt=2, revision="abc")
+    assert pod["metadata"]["name"] == "llama-0-1"
+    labels = pod["metadata"]["labels"]
+    assert labels["app"] == "x"
+    assert labels["tokenfleet.dev/slice"] == "llama-0" and labels["tokenfleet.dev/member"] == "1"
+    assert labels["tokenfleet.dev/attempt"] == "2" and labels["tokenfleet.dev/revision"] == "abc"
+    assert labels["tokenfleet.dev/leader"] == "false" and labels["tokenfleet.dev/role"] == "serve"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Slice"
+    ps = pod["spec"]
+    assert ps["restartPolicy"] == "Never"
+    assert ps["nodeSelector"] == {"tokenfleet.dev/accelerator": "nvidia-h100-80gb"}
+    main = ps["containers"][0]
+    assert main["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["A"] == "1"
+    assert env["TOKENFLEET_MEMBER_INDEX"] == "1" and env["TOKENFLEET_SLICE_HOSTS"] == "2"
+    assert env["TOKENFLEET_LEADER_POD"] == "llama-0-0" and env["TOKENFLEET_TOPOLOGY"] == "2x4"
+    term = ps["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "tokenfleet.dev/block"
+    # the template itself is not modified
+    assert "env" in body["spec"]["template"]["spec"]["containers"][0] and len(spec.template.spec["containers"][0]["env"]) == 1
+
+
+def test_member_pod_bound_by_a_placer_and_on_cpu():
+    body = slice_body(accelerator={"type": "cpu"}, topology="2")
+    spec = SliceSpec.model_validate(body["spec"])
+    pod = member_pod(body, spec, 0, attempt=0, revision="r", node="kwok-gpu-3")
+    assert pod["spec"]["nodeName"] == "kwok-gpu-3"
+    assert "affinity" not in pod["spec"] and "nodeSelector" not in pod["spec"]
+    assert "resources" not in pod["spec"]["containers"][0]
+    assert pod["metadata"]["labels"]["tokenfleet.dev/leader"] == "true"
+
+
+def test_member_pod_restore_environment():
+    body = slice_body(role="batch", checkpoint={"store": "pvc://ckpt/run1", "intervalSeconds": 60})
+    spec = SliceSpec.model_validate(body["spec"])
+    env = {e["name"]: e["value"] for e in member_pod(body, spec, 0, attempt=1, revision="r", restore_from="step-42")["spec"]["containers"][0]["env"]}
+    assert env["TOKENFLEET_CHECKPOINT_STORE"] == "pvc://ckpt/run1"
+    assert env["TOKENFLEET_CHECKPOINT_INTERVAL_SECONDS"] == "60"
+    assert env["TOKENFLEET_RESTORE_FROM"] == "step-42"
