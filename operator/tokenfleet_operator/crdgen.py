@@ -145,7 +145,8 @@ def openapi_schema(resource: type[Resource]) -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion of the object: tokenfleet.dev/v1alpha1."},
             "kind": {"type": "string", "description": f"Kind of the object: {resource.crd.kind}."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # Kubernetes forbids anything but name/generateName constraints here (not even a description).
+            "metadata": {"type": "object"},
             "spec": spec,
             "status": status,
         },

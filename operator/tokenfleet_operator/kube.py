@@ -94,25 +94,35 @@ class Kube:
         if content_type:
             headers["Content-Type"] = content_type
         try:
-            return self.api.call_api(
-                path, method,
-                query_params=query or [],
-                header_params=headers,
-                body=body,
-                response_type="object",
-                auth_settings=["BearerToken"],
-                _return_http_data_only=True,
-                _preload_content=True,
-            )
+            status, data = self._request(method, path, headers, body, query or [])
         except ApiException as e:
-            message = e.reason or ""
-            try:
-                message = json.loads(e.body).get("message", message)
-            except (TypeError, ValueError, AttributeError):
-                pass
-            raise KubeError(e.status or 0, f"{method} {path}: {e.status} {message}") from None
+            status, data = e.status or 0, e.body
         except Exception as e:  # connection errors and the like
             raise KubeError(0, f"{method} {path}: {e}") from e
+        text = data.decode() if isinstance(data, bytes) else (data or "")
+        if not 200 <= status < 300:
+            message = text
+            try:
+                message = json.loads(text).get("message", text)
+            except (TypeError, ValueError, AttributeError):
+                pass
+            raise KubeError(status, f"{method} {path}: {status} {message}")
+        return json.loads(text) if text else {}
+
+    def _request(self, method: str, path: str, headers: dict, body: Any, query: list) -> tuple[int, Any]:
+        """(HTTP status, raw body), for both generations of the kubernetes client."""
+        if hasattr(self.api, "param_serialize"):  # kubernetes >= 35 (openapi-generator v7)
+            params = self.api.param_serialize(
+                method, path, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"]
+            )
+            response = self.api.call_api(*params)
+            response.read()
+            return response.status, response.data
+        data, status, _ = self.api.call_api(
+            path, method, query_params=query, header_params=headers, body=body, response_type=None,
+            auth_settings=["BearerToken"], _return_http_data_only=False, _preload_content=False,
+        )
+        return status, data.data
 
     def apply(self, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
         """Server-side apply as field manager 'tokenfleet' (force: the operator owns its children)."""

@@ -34,11 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenfleet_operator.handlers.runtime import Runtime
     from tokenfleet_operator.kube import Kube
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose)  # sets up logging for Kopf and for our loggers
+    logging.getLogger("tokenfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     runtime = Runtime(Kube(), args.namespace or None, args.resync_seconds)
     kopf_handlers.RUNTIME = runtime
     if args.metrics_port:

@@ -56,8 +56,8 @@ def test_check_reports_drift_and_write_fixes_it(tmp_path):
 @pytest.mark.parametrize("plural", ["inferenceservices", "slices"])
 def test_every_field_has_a_description_and_a_type(plural):
     for path, node in walk(schema_of(plural)):
-        if path.endswith("[]") or path.endswith("[*]"):
-            continue  # list items and map values are described by their field
+        if path.endswith("[]") or path.endswith("[*]") or path == ".metadata":
+            continue  # list items and map values are described by their field; metadata may not be
         assert node.get("description"), f"{plural}{path} has no description"
         assert node.get("type") or node.get("x-kubernetes-int-or-string"), f"{plural}{path} has no type"
 
@@ -69,6 +69,11 @@ def test_schema_is_structural(plural):
             assert banned not in node, f"{plural}{path} has {banned}"
         assert not ("properties" in node and "additionalProperties" in node), f"{plural}{path}"
         assert node.get("default", "unset") is not None, f"{plural}{path} has a null default"
+
+
+def test_metadata_carries_nothing_kubernetes_forbids():
+    for plural in ("inferenceservices", "slices"):
+        assert schema_of(plural)["properties"]["metadata"] == {"type": "object"}
 
 
 def test_names_do_not_collide_with_kserve_or_gke():
@@ -144,8 +149,12 @@ def test_cel_rules_are_attached_where_the_models_declare_them():
 
 def test_defaults_reach_nested_objects():
     spec = schema_of("inferenceservices")["properties"]["spec"]["properties"]
-    for name in ("engine", "routing", "slo", "price", "resources", "slicePolicy", "rollout"):
-        assert spec[name]["default"] == {}, name
+    from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+    fields = InferenceServiceSpec.model_fields
+    for name, attr in (("engine", "engine"), ("routing", "routing"), ("slo", "slo"), ("price", "price"),
+                       ("resources", "resources"), ("slicePolicy", "slice_policy"), ("rollout", "rollout")):
+        assert spec[name]["default"] == fields[attr].default_factory().to_wire(), name
+    assert spec["engine"]["default"]["kvBlockSize"] == 16
     assert spec["engine"]["properties"]["kvBlockSize"] == {**spec["engine"]["properties"]["kvBlockSize"], "default": 16, "enum": [8, 16, 32, 64, 128]}
     assert spec["replicas"]["default"] == 1
 

@@ -26,8 +26,11 @@ DEFAULT_IMAGE = "tokenfleet/serving:0.1.0"
 
 
 def _defaulted(model: type[ApiModel], description: str):
-    """A sub-object that is always present: the API server fills in its defaults even when the user omits it."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+    """A sub-object that is always present: the API server fills in its defaults even when the user omits it.
+
+    The default is the fully defaulted object (not {}), because the API server
+    checks defaults against the CEL rules before filling in nested defaults."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": model().to_wire()})
 
 
 class PvcSource(ApiModel):

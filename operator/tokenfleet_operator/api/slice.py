@@ -137,7 +137,7 @@ class SliceSpec(ApiModel):
     restart_policy: RestartPolicy = Field(
         default_factory=RestartPolicy,
         description="Gang restart budget and backoff.",
-        json_schema_extra={"default": {}},
+        json_schema_extra={"default": RestartPolicy().to_wire()},
     )
 
 

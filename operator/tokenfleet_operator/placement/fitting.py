@@ -55,7 +55,7 @@ def choose_nodes(pool: Pool, free: Sequence[int], per_host: int, hosts: int, top
         if run > hosts:
             total -= window[-hosts - 1]
         if run >= hosts and (best is None or total < best[0]):
-            best = (total, index - hosts)
+            best = (total, index - hosts + 1)
     if best is None:
         return None
     return [by_index[i] for i in range(best[1], best[1] + hosts)]
