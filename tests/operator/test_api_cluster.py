@@ -98,7 +98,10 @@ def test_kubectl_explain_teaches_the_api(installed):
 
 def test_applying_the_manifests_twice_changes_nothing(installed):
     base = str(REPO / "manifests" / "base")
+    versions = lambda: installed.kubectl("get", "-k", base, "-o", "jsonpath={.items[*].metadata.resourceVersion}").stdout  # noqa: E731
+    before = versions()
     out = installed.kubectl("apply", "--server-side", "-k", base).stdout
+    assert versions() == before, "a second apply changed an object"
     assert all(line.endswith("serverside-applied") for line in out.strip().splitlines()), out
     diff = installed.kubectl("diff", "--server-side", "-k", base, check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr

@@ -36,6 +36,8 @@ class Runtime:
         self.resync_seconds = resync_seconds
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._running: set[tuple[str, str, str]] = set()
+        self._pending: set[tuple[str, str, str]] = set()
         self._due: list[tuple[float, str, str, str]] = []
         self._due_guard = threading.Condition()
         self._stop = threading.Event()
@@ -80,7 +82,30 @@ class Runtime:
         return delay
 
     def reconcile_quietly(self, kind: str, namespace: str, name: str) -> None:
-        """Fetch and reconcile; log failures instead of raising (event and resync paths)."""
+        """Fetch and reconcile; log failures instead of raising (event and resync paths).
+
+        Triggers for an object that is already being reconciled are coalesced:
+        the running pass runs once more afterwards instead of each trigger
+        holding a worker thread while it waits for the lock."""
+        key = (kind, namespace, name)
+        with self._locks_guard:
+            if key in self._running:
+                self._pending.add(key)
+                return
+            self._running.add(key)
+        try:
+            while True:
+                self._reconcile_logged(kind, namespace, name)
+                with self._locks_guard:
+                    if key not in self._pending:
+                        break
+                    self._pending.discard(key)
+        finally:
+            with self._locks_guard:
+                self._running.discard(key)
+                self._pending.discard(key)
+
+    def _reconcile_logged(self, kind: str, namespace: str, name: str) -> None:
         try:
             self.reconcile(kind, {"metadata": {"namespace": namespace, "name": name}}, fetch=True)
         except InvalidSpec as e:
@@ -122,7 +147,7 @@ class Runtime:
         while not self._stop.is_set():
             with self._due_guard:
                 now = time.monotonic()
-                wake = min([next_resync] + [self._due[0][0]] if self._due else [next_resync])
+                wake = min(next_resync, self._due[0][0]) if self._due else next_resync
                 if wake > now:
                     self._due_guard.wait(timeout=min(wake - now, 1.0))
                     continue

@@ -121,7 +121,7 @@ def _place_one(request: SliceRequest, queue: Queue, poolset: PoolSet, shape: tup
     used = usage.get((queue.name, resource), 0)
     shortfall = used + need - quota
     free = ledger.free(resource)
-    if shape not in failed_shapes:
+    if shortfall <= 0 and shape not in failed_shapes:
         found = find_best(poolset, free, request.per_host, request.hosts)
         if found is not None:
             pool, node_ids = found
