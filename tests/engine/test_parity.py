@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenfleet_serving.engine import LLMEngine, SamplingParams
+from tokenfleet_serving.engine import batch as batch_module
 from tokenfleet_serving.engine.batch import SeqChunk, build_batch
 
 from engine_checkpoints import CHECKPOINTS, hf_greedy
@@ -87,8 +88,10 @@ def test_preemption_keeps_greedy_parity(llama_dir, hf_models, prefix_caching):
     assert eng.kv.pool.num_free == 24
 
 
+@pytest.mark.parametrize("long_chunk", [512, 2], ids=["padded-groups", "sdpa-spans"])
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
-def test_logits_match_transformers_on_every_attention_path(name, checkpoints, hf_models):
+def test_logits_match_transformers_on_every_attention_path(name, long_chunk, checkpoints, hf_models, monkeypatch):
+    monkeypatch.setattr(batch_module, "LONG_CHUNK", long_chunk)   # chunks >= LONG_CHUNK take the SDPA path
     eng = engine(checkpoints[name])
     model, bs = eng.model, eng.kv.block_size
     prompt = prompts(5, 1, 30, 31)[0]
@@ -105,3 +108,12 @@ def test_logits_match_transformers_on_every_attention_path(name, checkpoints, hf
     # 3) one decode token over the 29 cached
     got = model.forward(build_batch([SeqChunk(prompt[29:], 29, table, True)], bs, model.device))
     assert (got[0] - ref[29]).abs().max() < LOGIT_TOLERANCE
+
+
+def test_mixed_step_of_decodes_short_and_long_prefills_matches_transformers(llama_dir, hf_models, monkeypatch):
+    monkeypatch.setattr(batch_module, "LONG_CHUNK", 16)
+    eng = engine(llama_dir, max_num_batched_tokens=64)
+    batch = prompts(6, 3, 3, 8) + prompts(7, 3, 20, 60)      # short and long prompts, chunked by the budget
+    outs = eng.generate(batch, GREEDY)
+    for prompt, out in zip(batch, outs):
+        assert out.new_token_ids == hf_greedy(hf_models["llama"], prompt, GREEDY.max_tokens)

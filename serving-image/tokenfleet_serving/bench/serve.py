@@ -12,7 +12,8 @@ Definitions (as vLLM's ``bench serve`` and inference-perf use them):
 - ITL: every gap between successive text chunks, pooled over requests.
 - goodput: requests per second that met both SLOs (TTFT and TPOT).
 - saturation rate: the first offered rate the server could not keep up with
-  (achieved request rate < 90 % of offered); the sweep stops after it.
+  (achieved request rate < 90 % of offered). The sweep stops after two such
+  rates (the second shows goodput falling), unless --keep-going.
 """
 from __future__ import annotations
 
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint directory (default: generate a small random model)")
     p.add_argument("--reference", action="store_true", help="generate bench engine's reference model instead")
     p.add_argument("--json", required=True, help="write results here")
-    p.add_argument("--rates", default="0.5,1,2,4,8,16", help="offered request rates (req/s), increasing")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per rate")
+    p.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="offered request rates (req/s), increasing")
+    p.add_argument("--num-requests", type=int, default=12, help="requests per rate")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["first_error"] = errors[0]
             rows.append(row)
             print(format_table(rows[-1:]).splitlines()[-1] if i else format_table(rows), flush=True)
-            if not keeps_up(row) and not args.keep_going:
+            if sum(not keeps_up(r) for r in rows) >= 2 and not args.keep_going:
                 break
     finally:
         rc = server.stop()

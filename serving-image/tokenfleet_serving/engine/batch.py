@@ -1,7 +1,12 @@
 """One engine step's model input: a flat (ragged) batch of token chunks.
 
-Single-token chunks (decodes) come first so attention can treat them as one
-padded batch; longer chunks (prefills) follow and are attended one by one.
+Attention is computed in groups, each one batched operation per layer:
+
+* decodes (one query token each) form one padded group over their block tables;
+* short prefill chunks (fewer than ``LONG_CHUNK`` tokens) form a second padded
+  group, with a causal mask offset by the tokens already cached;
+* long chunks run one by one through ``scaled_dot_product_attention``
+  (causally over their own fresh keys when nothing precedes them in the cache).
 """
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+LONG_CHUNK = 512
 
 
 @dataclass
@@ -20,11 +27,23 @@ class SeqChunk:
 
 
 @dataclass
-class PrefillSpan:
+class PagedGroup:
+    """Sequences attended together: queries padded to ``q_len``, keys gathered by block."""
+    num_seqs: int
+    q_len: int
+    q_rows: torch.Tensor | None      # [num_seqs * q_len] batch row of each padded query (None: rows 0..n-1)
+    out_rows: torch.Tensor | None    # batch rows receiving the valid results (None: rows 0..n-1)
+    valid: torch.Tensor | None       # padded positions that are real queries
+    block_ids: torch.Tensor          # [num_seqs * blocks] padded block tables
+    mask: torch.Tensor               # [num_seqs, 1, q_len, keys] additive (0 / -inf)
+
+
+@dataclass
+class LongSpan:
     offset: int                 # first row in the flat batch
-    length: int                 # rows (query tokens)
-    context: int                # keys to attend: start + length
-    block_ids: torch.Tensor | None   # None: no earlier context, attend the fresh keys causally
+    length: int                 # query tokens
+    context: int                # keys attended: start + length
+    block_ids: torch.Tensor | None   # None: nothing cached before, attend the fresh keys causally
     mask: torch.Tensor | None        # [length, context] bool, True = may attend
 
 
@@ -33,53 +52,70 @@ class StepBatch:
     input_ids: torch.Tensor     # [T]
     positions: torch.Tensor     # [T]
     slots: torch.Tensor         # [T] cache slot (block * block_size + offset) per token
-    num_decode: int             # rows [0, num_decode) are single-token sequences
-    decode_block_ids: torch.Tensor | None   # [B * NB] padded block tables
-    decode_mask: torch.Tensor | None        # [B, 1, NB * block_size] additive (0 / -inf)
-    prefills: list[PrefillSpan]
+    groups: list[PagedGroup]
+    long_spans: list[LongSpan]
     logits_rows: torch.Tensor   # rows whose logits are sampled
     sample_order: list[int]     # chunk index for each logits row
 
 
+def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, contiguous: bool) -> PagedGroup:
+    n = np.array([len(c.token_ids) for c in chunks])
+    start = np.array([c.start for c in chunks])
+    q_len, ctx = int(n.max()), start + n
+    nb = int(-(-ctx.max() // block_size))
+    tables = np.zeros((len(chunks), nb), dtype=np.int64)
+    for r, c in enumerate(chunks):
+        t = c.block_table[:nb]
+        tables[r, :len(t)] = t
+    i = np.arange(q_len)
+    valid = i[None, :] < n[:, None]                                   # [P, Q]
+    query_pos = start[:, None] + i[None, :]                           # [P, Q]
+    keys = np.arange(nb * block_size)
+    allowed = (keys[None, None, :] <= query_pos[:, :, None]) | (keys[None, None, :] == 0)
+    mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None]
+    q_rows = out_rows = valid_t = None
+    if not contiguous:
+        rows = np.array(offsets)[:, None] + i[None, :]
+        q_rows = torch.from_numpy(np.where(valid, rows, 0).reshape(-1)).to(device)
+        out_rows = torch.from_numpy(rows[valid]).to(device)
+        valid_t = torch.from_numpy(np.flatnonzero(valid)).to(device)
+    return PagedGroup(len(chunks), q_len, q_rows, out_rows, valid_t,
+                      torch.from_numpy(tables.reshape(-1)).to(device), torch.from_numpy(mask).to(device))
+
+
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> StepBatch:
-    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
-    ids, pos, slots, rows, sample_order, prefills = [], [], [], [], [], []
-    decode = [i for i in order if len(chunks[i].token_ids) == 1]
+    kind = lambda c: 0 if len(c.token_ids) == 1 else (1 if len(c.token_ids) < LONG_CHUNK else 2)
+    order = sorted(range(len(chunks)), key=lambda i: kind(chunks[i]))
+    ids, pos, slots, rows, sample_order, offsets = [], [], [], [], [], {}
+    long_spans = []
     for i in order:
         c = chunks[i]
-        n, offset = len(c.token_ids), len(ids)
+        n = len(c.token_ids)
+        offsets[i] = len(ids)
         p = np.arange(c.start, c.start + n)
         table = np.asarray(c.block_table, dtype=np.int64)
         ids.extend(c.token_ids)
         pos.append(p)
         slots.append(table[p // block_size] * block_size + p % block_size)
         if c.sample:
-            rows.append(offset + n - 1)
+            rows.append(offsets[i] + n - 1)
             sample_order.append(i)
-        if n > 1:
+        if kind(c) == 2:
             ctx = c.start + n
             if c.start == 0:
-                prefills.append(PrefillSpan(offset, n, ctx, None, None))
+                long_spans.append(LongSpan(offsets[i], n, ctx, None, None))
             else:
-                nb = -(-ctx // block_size)
                 mask = np.arange(ctx)[None, :] <= p[:, None]
-                prefills.append(PrefillSpan(offset, n, ctx, torch.from_numpy(table[:nb]).to(device),
-                                            torch.from_numpy(mask).to(device)))
-    decode_ids = decode_mask = None
-    if decode:
-        ctx = np.array([chunks[i].start + 1 for i in decode])
-        nb = int(-(-ctx.max() // block_size))
-        tables = np.zeros((len(decode), nb), dtype=np.int64)
-        for r, i in enumerate(decode):
-            t = chunks[i].block_table[:nb]
-            tables[r, :len(t)] = t
-        keys = np.arange(nb * block_size)
-        mask = np.where(keys[None, :] < ctx[:, None], 0.0, -np.inf).astype(np.float32)
-        decode_ids = torch.from_numpy(tables.reshape(-1)).to(device)
-        decode_mask = torch.from_numpy(mask[:, None, :]).to(device)
+                long_spans.append(LongSpan(offsets[i], n, ctx, torch.from_numpy(table[:-(-ctx // block_size)]).to(device),
+                                           torch.from_numpy(mask).to(device)))
+    groups = []
+    for k in (0, 1):
+        members = [i for i in order if kind(chunks[i]) == k]
+        if members:
+            groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], block_size, device,
+                                 contiguous=(k == 0)))
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
     return StepBatch(
         input_ids=t(ids), positions=t(np.concatenate(pos) if pos else []),
-        slots=t(np.concatenate(slots) if slots else []), num_decode=len(decode),
-        decode_block_ids=decode_ids, decode_mask=decode_mask, prefills=prefills,
+        slots=t(np.concatenate(slots) if slots else []), groups=groups, long_spans=long_spans,
         logits_rows=t(rows), sample_order=sample_order)

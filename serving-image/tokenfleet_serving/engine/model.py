@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batch import StepBatch
+from .batch import PagedGroup, StepBatch
 from .config import ModelConfig
 
 
@@ -95,33 +95,44 @@ class LlamaModel:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+    def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, grp: PagedGroup
+                         ) -> torch.Tensor:
+        """Attention of one padded group; returns [valid queries, heads * head_dim]."""
+        c = self.config
+        KVH, hd, P, Q = c.num_kv_heads, c.head_dim, grp.num_seqs, grp.q_len
+        g = c.num_heads // KVH
+        qg = q[:P] if grp.q_rows is None else q.index_select(0, grp.q_rows)       # [P*Q, H, hd]
+        qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd)
+        keys = kc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
+        vals = vc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale)           # [KVH, P, g*Q, L]
+        scores = scores.view(KVH, P, g, Q, -1).add_(grp.mask)
+        probs = torch.softmax(scores, dim=-1).view(KVH, P, g * Q, -1)
+        out = torch.matmul(probs, vals).view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
+        return out if grp.valid is None else out.index_select(0, grp.valid)
+
     def _attention(self, q, k, v, kc, vc, batch: StepBatch) -> torch.Tensor:
         c = self.config
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        g = H // KVH
         out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
-        nd = batch.num_decode
-        if nd:
-            B = nd
-            keys = kc.index_select(1, batch.decode_block_ids).view(KVH, B, -1, hd)
-            vals = vc.index_select(1, batch.decode_block_ids).view(KVH, B, -1, hd)
-            qd = q[:nd].view(B, KVH, g, hd).transpose(0, 1)                  # [KVH, B, g, hd]
-            scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(self.scale)
-            scores.add_(batch.decode_mask)                                    # [B, 1, L] broadcast
-            probs = torch.softmax(scores, dim=-1)
-            out[:nd] = torch.matmul(probs, vals).transpose(0, 1).reshape(B, H * hd)
-        for span in batch.prefills:
+        for grp in batch.groups:
+            res = self._paged_attention(q, kc, vc, grp)
+            if grp.out_rows is None:
+                out[:grp.num_seqs] = res
+            else:
+                out.index_copy_(0, grp.out_rows, res)
+        for span in batch.long_spans:
             rows = slice(span.offset, span.offset + span.length)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)                         # [1, H, n, hd]
+            qs = q[rows].transpose(0, 1).unsqueeze(0)                                  # [1, H, n, hd]
             if span.block_ids is None:
                 ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
-                                                   scale=self.scale, enable_gqa=g > 1)
+                                                   scale=self.scale, enable_gqa=H > KVH)
             else:
                 ks = kc.index_select(1, span.block_ids).view(KVH, -1, hd)[:, :span.context]
                 vs = vc.index_select(1, span.block_ids).view(KVH, -1, hd)[:, :span.context]
                 o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=span.mask,
-                                                   scale=self.scale, enable_gqa=g > 1)
+                                                   scale=self.scale, enable_gqa=H > KVH)
             out[rows] = o[0].transpose(0, 1).reshape(span.length, H * hd)
         return out
 
@@ -130,8 +141,8 @@ class LlamaModel:
         """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
         c = self.config
         KVH, hd = c.num_kv_heads, c.head_dim
-        if batch.decode_mask is not None and batch.decode_mask.dtype != self.dtype:
-            batch.decode_mask = batch.decode_mask.to(self.dtype)
+        for grp in batch.groups:
+            grp.mask = grp.mask.to(self.dtype)
         x = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]

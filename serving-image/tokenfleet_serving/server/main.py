@@ -12,12 +12,6 @@ import signal
 import sys
 import threading
 
-from aiohttp import web
-
-from tokenfleet_serving.engine.engine import EngineConfig
-
-from .app import Server, ServerConfig
-
 log = logging.getLogger("tokenfleet.serve")
 
 
@@ -66,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def config_from_args(args: argparse.Namespace):
     import os
+
+    from tokenfleet_serving.engine.engine import EngineConfig   # imports torch: not needed for --help
+
+    from .app import ServerConfig
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
@@ -80,9 +78,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour)
 
 
-async def serve(config: ServerConfig, host: str, port: int, *, on_listening=None,
-                server_holder: list | None = None) -> int:
+async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None) -> int:
     """Listen, load, serve until drained. Signals are handled when run on the main thread."""
+    from aiohttp import web
+
+    from .app import Server
+
     server = Server(config)
     if server_holder is not None:
         server_holder.append(server)

@@ -1,0 +1,1 @@
+"""Benchmarks (entry points, not timed tests)."""

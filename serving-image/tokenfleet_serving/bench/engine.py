@@ -1,0 +1,210 @@
+"""``tokenfleet bench engine``: engine throughput vs transformers, and prefix-cache TTFT.
+
+W1 (throughput): N requests x P prompt tokens x G output tokens, greedy, EOS
+ignored; transformers' ``generate`` with one static batch vs this engine;
+both against a roofline of (counted model FLOPs) / (measured fp32 matmul
+FLOP/s).
+W3 (prefix cache): a shared prefix + a few new tokens; time to first token
+on a cache hit (median of several) vs cold, and the cold prefill's fraction of
+the roofline (attention FLOPs counted).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import LLMEngine, SamplingParams
+from ..engine.config import ModelConfig
+from ..engine.engine import usable_cpus
+from ..engine.loader import load_config
+
+REFERENCE = dict(architecture="llama", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
+                 intermediate_size=1376, vocab_size=8192, dtype="float32")
+
+
+# ---- FLOP accounting ---------------------------------------------------------
+def linear_flops_per_token(c: ModelConfig) -> int:
+    """Matmul FLOPs of one token through all layers (q, k, v, o, gate, up, down), no lm_head."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return 2 * per_layer * c.num_layers
+
+
+def lm_head_flops(c: ModelConfig) -> int:
+    return 2 * c.hidden_size * c.vocab_size
+
+
+def attention_flops(c: ModelConfig, num_keys: int) -> int:
+    """QK^T and PV for one query token attending ``num_keys`` keys, all layers."""
+    return 4 * num_keys * c.num_heads * c.head_dim * c.num_layers
+
+
+def sequence_flops(c: ModelConfig, prompt_len: int, output_len: int, cached: int = 0) -> int:
+    """Model FLOPs to prefill ``prompt_len`` tokens (``cached`` of them from cache) and generate ``output_len``:
+    every computed token pays the linears and causal attention; one lm_head row per generated token."""
+    computed = range(cached + 1, prompt_len + output_len)       # keys attended by each computed token
+    return ((prompt_len + output_len - 1 - cached) * linear_flops_per_token(c)
+            + sum(attention_flops(c, k) for k in computed) + output_len * lm_head_flops(c))
+
+
+# ---- hardware ----------------------------------------------------------------
+def measure_matmul_flops(n: int = 2048, seconds: float = 2.0) -> float:
+    """Best sustained fp32 FLOP/s of an n x n x n matmul on this machine, right now."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.matmul(a, b, out=out)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+    return best
+
+
+def hardware() -> dict:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": usable_cpus(), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "loadavg_1m": os.getloadavg()[0]}
+
+
+# ---- workloads ---------------------------------------------------------------
+def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:4, :16], attention_mask=torch.ones_like(ids[:4, :16]), max_new_tokens=4, **kw)
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, **kw)
+        elapsed = time.perf_counter() - t
+    return elapsed, out[:, ids.shape[1]:].tolist()
+
+
+def run_engine_w1(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - t, [o.new_token_ids for o in outs]
+
+
+def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
+    t = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.new_token_ids:
+                elapsed = time.perf_counter() - t
+                while engine.has_unfinished():
+                    engine.step()
+                return elapsed, out.num_cached_tokens
+
+
+def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: int, rng: random.Random) -> dict:
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]
+    ttft(engine, "w3-warmup", tokens(prefix_len + new_len))            # allocator and kernel warm-up
+    colds = []
+    for i in range(2):
+        colds.append(ttft(engine, f"w3-cold-{i}", tokens(prefix_len + new_len))[0])
+    prefix = tokens(prefix_len)
+    ttft(engine, "w3-seed", prefix + tokens(new_len))                  # fills the cache with the prefix
+    hit_times, cached = [], []
+    for i in range(hits):
+        t, c = ttft(engine, f"w3-hit-{i}", prefix + tokens(new_len))
+        hit_times.append(t)
+        cached.append(c)
+    cold, hit = statistics.median(colds), statistics.median(hit_times)
+    return {"ttft_cold_s": cold, "ttft_hit_s": hit, "ttft_reduction": 1.0 - hit / cold,
+            "w3_cached_tokens": min(cached)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenfleet bench engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="HF checkpoint dir (default: create the reference model)")
+    ap.add_argument("--json", type=Path, help="write results to this file")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--new-len", type=int, default=32)
+    ap.add_argument("--hits", type=int, default=5)
+    ap.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads or usable_cpus())
+    tmp = None
+    model_dir = args.model
+    if model_dir is None:
+        from ..testing_models import create_random_checkpoint
+        tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-bench-")
+        model_dir = create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=args.seed)
+    config = load_config(model_dir)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    result: dict = {"model": str(args.model) if args.model else "reference (random Llama, 8x512, fp32)",
+                    "hardware": hardware()}
+    matmul = measure_matmul_flops()
+    result["matmul_gflops"] = matmul / 1e9
+
+    flops_w1 = args.requests * sequence_flops(config, args.prompt_len, args.output_len)
+    out_tokens = args.requests * args.output_len
+    roofline = out_tokens / (flops_w1 / matmul)
+    engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu",
+                                       max_num_batched_tokens=max(8192, args.prefix_len + args.new_len),
+                                       max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30,
+                                       num_threads=args.threads, load_tokenizer=False)
+    t_engine, engine_out = run_engine_w1(engine, prompts, args.output_len)
+    result.update(engine_output_tok_s=out_tokens / t_engine, roofline_output_tok_s=roofline,
+                  roofline_fraction=out_tokens / t_engine / roofline, w1_model_gflop=flops_w1 / 1e9)
+    if not args.skip_hf:
+        t_hf, hf_out = run_hf(model_dir, prompts, args.output_len)
+        result.update(hf_output_tok_s=out_tokens / t_hf, ratio_vs_hf=t_hf / t_engine,
+                      hf_roofline_fraction=out_tokens / t_hf / roofline,
+                      greedy_match_hf=sum(a == b for a, b in zip(engine_out, hf_out)) / len(prompts))
+
+    w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, rng)
+    cold_flops = sequence_flops(config, args.prefix_len + args.new_len, 1)
+    w3["prefill_roofline_fraction"] = (cold_flops / matmul) / w3["ttft_cold_s"]
+    w3["w3_cold_model_gflop"] = cold_flops / 1e9
+    result.update(w3)
+    result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
+
+    rows = [("matmul GFLOP/s (fp32, measured)", result["matmul_gflops"]),
+            ("W1 transformers output tok/s", result.get("hf_output_tok_s")),
+            ("W1 engine output tok/s", result["engine_output_tok_s"]),
+            ("W1 ratio vs transformers", result.get("ratio_vs_hf")),
+            ("W1 roofline output tok/s", roofline), ("W1 roofline fraction", result["roofline_fraction"]),
+            ("W3 TTFT cold (s)", w3["ttft_cold_s"]), ("W3 TTFT hit (s)", w3["ttft_hit_s"]),
+            ("W3 TTFT reduction", w3["ttft_reduction"]),
+            ("W3 prefill roofline fraction", w3["prefill_roofline_fraction"])]
+    print(f"hardware: {result['hardware']}")
+    for name, value in rows:
+        print(f"  {name:<36} {'-' if value is None else f'{value:,.3f}'}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0

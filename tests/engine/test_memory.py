@@ -1,0 +1,49 @@
+"""Memory: the KV pool stays inside its budget; process memory is flat across 10,000 requests."""
+from __future__ import annotations
+
+import gc
+import random
+from pathlib import Path
+
+import pytest
+
+from tokenfleet_serving.engine import LLMEngine, SamplingParams
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found")
+
+
+@pytest.mark.parametrize("budget", [10_000, 1 << 20, 3 * (1 << 20) + 123])
+def test_kv_pool_never_exceeds_its_budget(llama_dir, budget):
+    eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=budget, block_size=4)
+    pool_bytes = eng.model.kv_pool.numel() * eng.model.kv_pool.element_size()
+    assert pool_bytes <= budget and eng.kv_cache_bytes == pool_bytes
+    assert budget - pool_bytes < eng.model.kv_block_bytes(4)          # and wastes less than one block
+    assert eng.kv.pool.num_blocks == eng.model.kv_pool.shape[3]
+
+
+@pytest.mark.slow
+def test_process_memory_is_flat_across_10000_requests(llama_dir):
+    eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=2, temperature=0.8, top_k=50, seed=1, logprobs=1, stop=("zz",))
+
+    def batch(n):
+        outs = eng.generate([[rng.randrange(5, 512) for _ in range(rng.randrange(2, 12))] for _ in range(n)], params)
+        assert all(o.finished for o in outs)
+
+    batch(1000)                                   # warm-up: allocator pools, caches
+    gc.collect()
+    before = rss_bytes()
+    for _ in range(9):
+        batch(1000)
+    gc.collect()
+    growth = rss_bytes() - before
+    assert not eng.requests and not eng.kv.block_tables and eng.kv.pool.num_free == eng.kv.pool.num_blocks
+    assert len(eng.kv.pool.cached) <= eng.kv.pool.num_blocks
+    assert eng.stats().finished["length"] + eng.stats().finished.get("stop", 0) == 10_000
+    assert growth < 8 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 9,000 requests"
