@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ProcessServer, http, wait_until
+from server_harness import MODEL_NAME, ProcessServer, http
 
 pytestmark = pytest.mark.slow
 

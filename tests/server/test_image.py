@@ -1,0 +1,69 @@
+"""The serving image's Dockerfile and entrypoint, checked without a Docker daemon.
+
+The entrypoint is run for real as a local process (that is how the local pod
+runner uses it); the Dockerfile is checked for what the image must guarantee:
+a non-root user, no compilers or package installs in the final stage, and the
+same dependencies as pyproject's "serving" extra.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "serving-image" / "Dockerfile"
+ENTRYPOINT = ROOT / "serving-image" / "entrypoint.sh"
+
+
+def stages() -> list[list[str]]:
+    """Dockerfile instructions (continuations joined, comments dropped), split into stages."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            out.append([])
+        if out:
+            out[-1].append(line)
+    return out
+
+
+def test_final_stage_runs_as_non_root_without_compilers():
+    final = stages()[-1]
+    users = [line.split()[1] for line in final if line.upper().startswith("USER ")]
+    assert users, "final stage sets no USER"
+    uid = users[-1].split(":")[0]
+    assert uid not in ("0", "root")
+    runs = " ".join(line for line in final if line.upper().startswith("RUN "))
+    for forbidden in ("apt-get install", "apk add", "gcc", "g++", "build-essential", "make ", "pip install"):
+        assert forbidden not in runs, f"final stage runs {forbidden!r}"
+    entry = [line for line in final if line.upper().startswith("ENTRYPOINT")]
+    assert entry and "tokenfleet-entrypoint" in entry[-1]
+    assert any(line.startswith("COPY --from=build") for line in final)
+
+
+def test_image_installs_the_serving_extra():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serving"]
+    wanted = {re.split(r"[<>=\[ ]", d, maxsplit=1)[0].lower() for d in extra}
+    build = " ".join(stages()[0])
+    installed = {m.lower() for m in re.findall(r'"?([A-Za-z][A-Za-z0-9_-]*)(?:>=[^" ]+)?"?', build)}
+    missing = sorted(wanted - installed)
+    assert not missing, f"Dockerfile does not install serving dependencies {missing}"
+
+
+@pytest.mark.parametrize("args", [["tokenfleet", "serve", "--help"], ["serve", "--help"]])
+def test_entrypoint_runs_tokenfleet_subcommands_as_a_local_process(args):
+    proc = subprocess.run(["sh", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--model" in proc.stdout and "--drain-timeout" in proc.stdout
+
+
+def test_entrypoint_passes_failures_through():
+    proc = subprocess.run(["sh", str(ENTRYPOINT), "serve"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--model" in proc.stderr
