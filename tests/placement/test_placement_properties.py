@@ -217,3 +217,32 @@ def test_oracle_can_see_a_violation():
     assert free_after([node], [], [bad], {"ns/a": request}, GPU)["n"] < 0
     assert not fits(request, [node], {"n": 4})
     assert used_by_pods([], GPU) == {}
+
+
+@PROPERTY
+@given(scenarios(strict=False))
+def test_each_slice_goes_to_the_fitting_domain_with_the_fewest_free_units(scenario):
+    """Least fragmentation, replayed: at the moment a Slice was placed, its domain held
+    the fewest free units (over the Slice's eligible nodes) of all domains it fitted,
+    ties broken by domain name."""
+    plan = run(scenario)
+    slices = scenario.slices()
+    nodes = list(scenario.nodes)
+    placed_so_far: list[Placement] = []
+    for decision in plan.decisions:
+        if not isinstance(decision, Placement):
+            continue
+        request = slices[decision.slice_key]
+        free = free_after(nodes, scenario.bound_pods, placed_so_far, slices, request.resource)
+        domains: dict = defaultdict(list)
+        for node in sorted(nodes, key=lambda n: n.name):
+            if eligible(node, request):
+                domains[node.labels[request.domain_label] if request.domain_label else None].append(node)
+        candidates = []
+        for domain, members in domains.items():
+            if request.topology is not None:  # one node per host index, first by name
+                members = list({index_of(n, request): n for n in reversed(members)}.values())
+            if fits(request, members, free):
+                candidates.append((sum(max(free[n.name], 0) for n in members), domain or ""))
+        assert candidates and min(candidates)[1] == (decision.domain or ""), (decision, sorted(candidates))
+        placed_so_far.append(decision)

@@ -7,7 +7,8 @@ own queue can give back quota. For each domain the candidates are taken
 lowest priority first, then newest first (the least work lost), then by key,
 until the preemptor fits; victims that turn out unnecessary are dropped again.
 Among domains the cheapest set wins: lowest highest-victim priority, then
-fewest victims, then fewest accelerators evicted, then domain name.
+fewest victims, then fewest accelerators evicted, then the newest oldest
+victim, then domain name.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def choose_victims(request: SliceRequest, poolset: PoolSet, free: Sequence[int],
         nodes = satisfied(chosen, pool, members)
         assert nodes is not None
         evicted = sum(sum(usage_by_gang.get(v.key, {}).values()) for v in chosen)
-        cost = (max(v.priority for v in chosen), len(chosen), evicted, pool.ordinal)
+        cost = (max(v.priority for v in chosen), len(chosen), evicted, -min(v.created for v in chosen), pool.ordinal)
         if best_cost is None or cost < best_cost:
             best_cost = cost
             best = VictimChoice(tuple(sorted(chosen, key=lambda v: v.key)), pool, nodes, freed_on(chosen, members))
