@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.loader import load_config
 
     cfg = load_config(model_dir)
+    load_start = os.getloadavg()[0]
     server = ServerProcess(model_dir, "bench", ["--kv-cache-mb", "256", *args.server_arg])
     rows: list[dict] = []
     try:
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len, "output_len": args.output_len, "prompts": "random token ids, no shared prefix",
         "ignore_eos": True, "temperature": 0, "seed": args.seed},
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "rows": rows, "summary": saturation(rows), "server_exit_code": rc, "hardware": hardware()}
+        "rows": rows, "summary": saturation(rows), "server_exit_code": rc,
+        "hardware": dict(hardware(), loadavg_1m_start=load_start)}
     Path(args.json).write_text(json.dumps(result, indent=2))
     s = result["summary"]
     print(f"\nSLO: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")

@@ -230,7 +230,7 @@ class Server:
             raise P.ApiError(503, "model is loading")
         hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
         return web.json_response({"model": self.config.served_model_names[0],
-                                  "block_size": self.engine.kv.block_size,
+                                  "block_size": self.engine_loop.snapshot.stats.block_size,
                                   "hash": "sha256-chain-uint32le", "num_blocks": len(hashes),
                                   "block_hashes": hashes})
 
