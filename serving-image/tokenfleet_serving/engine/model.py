@@ -60,8 +60,9 @@ class LlamaModel:
                 down=w(m + "down_proj.weight"),
                 down_b=w(m + "down_proj.bias") if config.mlp_bias else None))
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        # rotate-half RoPE as x * cos2 + cat(x2, x1) * sin2, with the sign folded into sin2
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
@@ -86,14 +87,15 @@ class LlamaModel:
 
     # ---- forward -------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * x32.to(self.dtype)
+        eps = self.config.rms_norm_eps
+        if self.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(self.dtype)   # as HF: normalize in fp32
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
     def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, grp: PagedGroup
                          ) -> torch.Tensor:
@@ -102,10 +104,10 @@ class LlamaModel:
         KVH, hd, P, Q = c.num_kv_heads, c.head_dim, grp.num_seqs, grp.q_len
         g = c.num_heads // KVH
         qg = q[:P] if grp.q_rows is None else q.index_select(0, grp.q_rows)       # [P*Q, H, hd]
-        qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd)
+        qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd) * self.scale
         keys = kc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
         vals = vc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale)           # [KVH, P, g*Q, L]
+        scores = torch.matmul(qg, keys.transpose(-1, -2))                              # [KVH, P, g*Q, L]
         scores = scores.view(KVH, P, g, Q, -1).add_(grp.mask)
         probs = torch.softmax(scores, dim=-1).view(KVH, P, g * Q, -1)
         out = torch.matmul(probs, vals).view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
@@ -149,16 +151,15 @@ class LlamaModel:
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             h = self._rms_norm(x, layer["ln1"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_b"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(q.view(T, -1, hd), cos, sin)
-            k = self._rope(k.view(T, KVH, hd), cos, sin)
-            v = v.view(T, KVH, hd)
+            qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, hd), cos, sin)   # q and k at once
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, hd)
             kc.view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
             vc.view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
             x = x + F.linear(self._attention(q, k, v, kc, vc, batch), layer["o"])
             h = self._rms_norm(x, layer["ln2"])
             gate, up = F.linear(h, layer["gate_up"], layer["gate_up_b"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"], layer["down_b"])
+            x.add_(F.linear(F.silu(gate).mul_(up), layer["down"], layer["down_b"]))
         if not all_logits:
             x = x[batch.logits_rows]
         return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()

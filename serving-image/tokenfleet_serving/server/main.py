@@ -78,13 +78,14 @@ def config_from_args(args: argparse.Namespace):
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour)
 
 
-async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None) -> int:
+async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
+                engine_factory=None) -> int:
     """Listen, load, serve until drained. Signals are handled when run on the main thread."""
     from aiohttp import web
 
     from .app import Server
 
-    server = Server(config)
+    server = Server(config) if engine_factory is None else Server(config, engine_factory)
     if server_holder is not None:
         server_holder.append(server)
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
