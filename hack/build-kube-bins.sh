@@ -38,8 +38,9 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 # One binary per invocation so progress is visible; the shared packages
 # compile once and are reused from GOCACHE by the later binaries.
+note=" (compiles most of Kubernetes: about 10 minutes on 2 cores)"
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-  step "building $b (the first one compiles most of Kubernetes: many minutes on 2 cores)"
+  step "building $b$note"; note=""
   go build -trimpath -tags notest -ldflags "$LD" -o "$BIN/$b" "k8s.io/kubernetes/cmd/$b"
 done
 step "building etcd $ETCD"

@@ -222,7 +222,8 @@ class LocalCluster:
         sched = self._start(state, "kube-scheduler", [
             b("kube-scheduler"), *common, f"--secure-port={ports['scheduler']}",
             "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"])
-        stages = kwok_stages.write(self.dir / "kwok-stages.yaml", bins / "kwok-stages", SERVING_IMAGE_PREFIX)
+        stages = kwok_stages.write(self.dir / "kwok-stages.yaml", Path(state["bin_dir"]) / "kwok-stages",
+                                   SERVING_IMAGE_PREFIX)
         kwok = self._start(state, "kwok", [
             b("kwok"), f"--kubeconfig={kc}", f"--config={stages}",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
