@@ -294,3 +294,45 @@ def test_duplicate_names_are_rejected():
         place([], [], [gang("ns/s"), gang("ns/s")], QUEUES)
     with pytest.raises(ValueError, match="queues"):
         place([], [], [], QUEUES + QUEUES)
+
+
+def test_capacity_taken_by_one_kind_of_slice_reorders_the_blocks_for_another():
+    """Free counts are shared between Slices with different selectors: after a
+    selector-bound Slice fills block a, a plain Slice sees a as the fuller block."""
+    nodes = [Node(f"a-{i}", {GPU: 8}, {BLOCK: "a", "pool": "x"}) for i in range(4)] + block("b", 3)
+    pending = [gang("ns/never", 8, 5, priority=9),  # looks at the plain blocks first, then cannot fit
+               gang("ns/first", 8, 3, node_selector={"pool": "x"}, created=0.0), gang("ns/second", 8, 1, created=1.0)]
+    result = decide(nodes, pending)
+    assert result["ns/never"].code == DOMAIN_TOO_SMALL
+    assert result["ns/first"].domain == "a"
+    assert result["ns/second"].nodes == ("a-3",)
+
+
+def test_topology_window_with_the_fewest_free_units_wins():
+    nodes = block("a", 6)
+    bound = [BoundPod("a-0", {GPU: 4}), BoundPod("a-3", {GPU: 2})]
+    assert decide(nodes, [gang("ns/s", 4, 2, topology="1x2")], bound)["ns/s"].nodes == ("a-0", "a-1")
+    assert decide(nodes, [gang("ns/s", 8, 2, topology="1x2")], bound)["ns/s"].nodes == ("a-1", "a-2")
+
+
+def test_preemption_takes_several_gangs_when_one_is_not_enough_and_drops_needless_ones():
+    nodes = block("a", 3)
+    queues = [Queue("q", {GPU: 1000}, preemption="LowerPriority")]
+    running = [gang("ns/low0", 8, 1, priority=0, queue="q"), gang("ns/low1", 8, 2, priority=1, queue="q")]
+    bound = [BoundPod("a-0", {GPU: 8}, "ns/low0"), BoundPod("a-1", {GPU: 8}, "ns/low1"),
+             BoundPod("a-2", {GPU: 8}, "ns/low1")]
+    plan = place(nodes, bound, [gang("ns/high", 8, 2, priority=5, queue="q")], queues, running)
+    assert [p.victims for p in plan.preemptions] == [("ns/low1",)]  # low0 alone is not enough, and not needed
+    plan = place(nodes, bound, [gang("ns/all", 8, 3, priority=5, queue="q")], queues, running)
+    assert [p.victims for p in plan.preemptions] == [("ns/low0", "ns/low1")]
+
+
+def test_free_units_a_preemptor_will_use_are_held_from_later_slices():
+    nodes = block("a", 2)
+    queues = [Queue("q", {GPU: 1000}, preemption="LowerPriority")]
+    running = [gang("ns/low", 8, 1, priority=0, queue="q")]
+    bound = [BoundPod("a-1", {GPU: 8}, "ns/low")]
+    pending = [gang("ns/high", 8, 2, priority=5, queue="q"), gang("ns/mid", 8, 1, priority=3, queue="q")]
+    plan = place(nodes, bound, pending, queues, running)
+    assert plan.preemptions[0].members == ((0, "a-0"), (1, "a-1"))
+    assert plan.by_key()["ns/mid"].code == INSUFFICIENT_CAPACITY
