@@ -269,7 +269,7 @@ def test_same_input_same_plan():
 @pytest.mark.parametrize("build, field", [
     (lambda: SliceRequest("ns/s", GPU, 0), "per_host"),
     (lambda: SliceRequest("ns/s", GPU, 8, hosts=0), "hosts"),
-    (lambda: SliceRequest("ns/s", GPU, 8, hosts=4, topology="2x4"), "topology"),
+    (lambda: SliceRequest("ns/s", GPU, 8, hosts=4, topology="2x3"), "topology"),
     (lambda: SliceRequest("ns/s", GPU, 8, hosts=4, topology="2by2"), "topology"),
     (lambda: SliceRequest("ns/s", "", 8), "resource"),
     (lambda: SliceRequest("ns/s", GPU, 8, domain_label=""), "domain_label"),
@@ -336,3 +336,8 @@ def test_free_units_a_preemptor_will_use_are_held_from_later_slices():
     plan = place(nodes, bound, pending, queues, running)
     assert plan.preemptions[0].members == ((0, "a-0"), (1, "a-1"))
     assert plan.by_key()["ns/mid"].code == INSUFFICIENT_CAPACITY
+
+
+def test_topology_may_be_the_host_grid_or_the_accelerator_grid():
+    assert SliceRequest("ns/s", GPU, 8, hosts=4, topology="2x2").topology == "2x2"
+    assert SliceRequest("ns/s", "google.com/tpu", 4, hosts=4, topology="4x4").topology == "4x4"

@@ -127,9 +127,11 @@ class SliceRequest:
     """One Slice as the placer sees it: ``hosts`` member pods, each needing
     ``per_host`` units of ``resource``, all inside one value of ``domain_label``.
 
-    ``topology`` (e.g. ``"2x4"``) describes the host grid; its product must equal
-    ``hosts`` and the members then occupy a run of consecutive
-    ``host_index_label`` values (member i on index start+i). ``domain_label=None`` means the whole cluster
+    ``topology`` (e.g. ``"2x4"``) describes either the host grid (product =
+    ``hosts``) or the accelerator grid of the whole Slice, as Slice.spec.topology
+    does (product = ``hosts * per_host``). Either way it asks for one thing of the
+    placer: the members occupy a run of consecutive ``host_index_label`` values
+    (member i on index start+i). ``domain_label=None`` means the whole cluster
     is one domain. ``created`` orders Slices of equal priority (FIFO); the shell
     passes the requeue time for a Slice that was requeued after a timeout.
     """
@@ -162,9 +164,10 @@ class SliceRequest:
                 dims = parse_topology(self.topology)
             except ValueError as exc:
                 raise ValueError(f"{owner}.topology: {exc}") from None
-            if math.prod(dims) != self.hosts:
+            if math.prod(dims) not in (self.hosts, self.hosts * self.per_host):
                 raise ValueError(
-                    f"{owner}.topology {self.topology!r} describes {math.prod(dims)} hosts but hosts is {self.hosts}")
+                    f"{owner}.topology {self.topology!r} has {math.prod(dims)} cells but hosts is {self.hosts} "
+                    f"and hosts × per_host is {self.hosts * self.per_host}")
             if not self.host_index_label:
                 raise ValueError(f"{owner}.host_index_label must not be empty when topology is set")
         if self.domain_label is not None and not self.domain_label:
