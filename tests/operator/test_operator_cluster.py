@@ -79,6 +79,7 @@ def test_lifecycle_reconcile_scale_roll_delete(cluster, namespace, operator):
     assert slices[1].split()[:7] == ["svc-0", "nvidia-h100-80gb", "2x1", "2", "2", "Ready", "0"]
 
     # the operator never writes the user's spec
+    obj = get_json(cluster, "inferenceservice", "svc", "-n", namespace, "--show-managed-fields")
     managers = {m["manager"]: m for m in obj["metadata"]["managedFields"]}
     assert "f:spec" not in json.dumps(managers.get("tokenfleet", {}).get("fieldsV1", {}))
     assert managers["tokenfleet"]["subresource"] == "status"
