@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -84,6 +85,11 @@ def hardware() -> dict:
             "loadavg_1m": os.getloadavg()[0]}
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 # ---- workloads ---------------------------------------------------------------
 def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM
@@ -95,18 +101,20 @@ def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:4, :16], attention_mask=torch.ones_like(ids[:4, :16]), max_new_tokens=4, **kw)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), cpu_seconds()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, **kw)
         elapsed = time.perf_counter() - t
-    return elapsed, out[:, ids.shape[1]:].tolist()
+    return elapsed, (cpu_seconds() - cpu) / elapsed, out[:, ids.shape[1]:].tolist()
 
 
-def run_engine_w1(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+def run_engine_w1(engine: LLMEngine, prompts: list[list[int]], output_len: int
+                  ) -> tuple[float, float, list[list[int]]]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), cpu_seconds()
     outs = engine.generate(prompts, params)
-    return time.perf_counter() - t, [o.new_token_ids for o in outs]
+    elapsed = time.perf_counter() - t
+    return elapsed, (cpu_seconds() - cpu) / elapsed, [o.new_token_ids for o in outs]
 
 
 def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
@@ -176,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                                        max_num_batched_tokens=max(8192, args.prefix_len + args.new_len),
                                        max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30,
                                        num_threads=args.threads, load_tokenizer=False)
-    t_engine, engine_out = run_engine_w1(engine, prompts, args.output_len)
+    t_engine, engine_cores, engine_out = run_engine_w1(engine, prompts, args.output_len)
     result.update(engine_output_tok_s=out_tokens / t_engine, roofline_output_tok_s=roofline,
-                  roofline_fraction=out_tokens / t_engine / roofline, w1_model_gflop=flops_w1 / 1e9)
+                  roofline_fraction=out_tokens / t_engine / roofline, w1_model_gflop=flops_w1 / 1e9,
+                  engine_cpu_cores_used=engine_cores)
     if not args.skip_hf:
-        t_hf, hf_out = run_hf(model_dir, prompts, args.output_len)
-        result.update(hf_output_tok_s=out_tokens / t_hf, ratio_vs_hf=t_hf / t_engine,
+        t_hf, hf_cores, hf_out = run_hf(model_dir, prompts, args.output_len)
+        result.update(hf_output_tok_s=out_tokens / t_hf, ratio_vs_hf=t_hf / t_engine, hf_cpu_cores_used=hf_cores,
                       hf_roofline_fraction=out_tokens / t_hf / roofline,
                       greedy_match_hf=sum(a == b for a, b in zip(engine_out, hf_out)) / len(prompts))
 
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     w3["w3_cold_model_gflop"] = cold_flops / 1e9
     result.update(w3)
     result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
+    result["matmul_gflops_end"] = measure_matmul_flops() / 1e9   # was the machine as fast at the end?
 
     rows = [("matmul GFLOP/s (fp32, measured)", result["matmul_gflops"]),
             ("W1 transformers output tok/s", result.get("hf_output_tok_s")),
@@ -199,10 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             ("W1 roofline output tok/s", roofline), ("W1 roofline fraction", result["roofline_fraction"]),
             ("W3 TTFT cold (s)", w3["ttft_cold_s"]), ("W3 TTFT hit (s)", w3["ttft_hit_s"]),
             ("W3 TTFT reduction", w3["ttft_reduction"]),
-            ("W3 prefill roofline fraction", w3["prefill_roofline_fraction"])]
+            ("W3 prefill roofline fraction", w3["prefill_roofline_fraction"]),
+            ("matmul GFLOP/s at the end", result["matmul_gflops_end"]),
+            ("CPU cores used: engine / transformers",
+             None if args.skip_hf else f"{engine_cores:.2f} / {hf_cores:.2f}")]
     print(f"hardware: {result['hardware']}")
     for name, value in rows:
-        print(f"  {name:<36} {'-' if value is None else f'{value:,.3f}'}")
+        shown = "-" if value is None else value if isinstance(value, str) else f"{value:,.3f}"
+        print(f"  {name:<38} {shown}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if tmp is not None:
