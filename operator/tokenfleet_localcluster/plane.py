@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from . import binaries, kwok_stages
-from .nodes import NodePool, node_manifests
+from .nodes import NOT_READY_LABEL, NodePool, node_manifests
 from .pki import Pki, create_pki
 
 # Pods' not-ready/unreachable tolerations (normally 300 s) and the node
@@ -277,6 +277,33 @@ class LocalCluster:
                 return names
             time.sleep(0.5)
         raise PlaneError(f"nodes not Ready after {timeout}s: {sorted(set(names) - self.ready_nodes())[:10]}")
+
+    def fail_node(self, name: str, mode: str) -> None:
+        """Simulate a node failure.
+
+        ``not-ready``: the node reports Ready=False (KWOK chaos stage);
+        ``lease-loss``: the node's Lease is taken from KWOK (another holder,
+        one-hour duration), so nobody renews it and the node lifecycle
+        controller marks the node Unknown after the grace period, as after
+        a crash or a partition;
+        ``delete``: the Node object disappears.
+        """
+        if mode == "not-ready":
+            self.kubectl("label", "node", name, f"{NOT_READY_LABEL}=true", "--overwrite")
+        elif mode == "lease-loss":
+            self.kubectl("patch", "lease", name, "-n", "kube-node-lease", "--type=merge",
+                         "-p", '{"spec":{"holderIdentity":"tokenfleet-chaos","leaseDurationSeconds":3600}}')
+        elif mode == "delete":
+            self.kubectl("delete", "node", name, "--wait=false")
+        else:
+            raise ValueError(f"mode must be not-ready, lease-loss or delete, got {mode!r}")
+
+    def recover_node(self, name: str) -> None:
+        """Undo ``fail_node(name, 'not-ready' | 'lease-loss')``."""
+        self.kubectl("label", "node", name, f"{NOT_READY_LABEL}-")
+        # An expired lease: KWOK takes it back and renews it again.
+        self.kubectl("patch", "lease", name, "-n", "kube-node-lease", "--type=merge",
+                     "-p", '{"spec":{"leaseDurationSeconds":1}}')
 
     def _node_count(self) -> int:
         out = self.kubectl("get", "nodes", "-o", "name", check=False).stdout

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import yaml
 
-from tokenfleet_localcluster.nodes import NOT_READY_LABEL, NodePool
+from tokenfleet_localcluster.nodes import NodePool
 
 
 def wait_for(predicate, timeout=60.0, interval=0.3, what="condition"):
@@ -135,7 +135,7 @@ def test_a_not_ready_node_gets_its_pods_evicted(cluster, namespace):
         assert {t["key"]: t["tolerationSeconds"] for t in tolerations} == {
             "node.kubernetes.io/not-ready": 5, "node.kubernetes.io/unreachable": 5}
         t0 = time.monotonic()
-        cluster.kubectl("label", "node", node, f"{NOT_READY_LABEL}=true")
+        cluster.fail_node(node, "not-ready")
         wait_for(lambda: get_json(cluster, "pod", "victim", "-n", namespace) is None, 60, what="eviction")
         took = time.monotonic() - t0
         taints = [t["key"] for t in get_json(cluster, "node", node)["spec"].get("taints", [])]
@@ -227,3 +227,33 @@ def test_non_serving_pods_stay_with_kwok(cluster, namespace):
     s = wait_for(lambda: (lambda s: s if s.get("phase") == "Running" else None)(
         (get_json(cluster, "pod", "plain", "-n", namespace) or {}).get("status", {})), 60, what="plain Running")
     assert s["podIP"].startswith("127.1.")
+
+
+def node_ready_status(cluster, node):
+    n = get_json(cluster, "node", node)
+    return next(c["status"] for c in n["status"]["conditions"] if c["type"] == "Ready")
+
+
+def test_lease_loss_makes_a_node_unknown_and_unreachable_then_it_recovers(cluster):
+    (node,) = cluster.add_nodes([NodePool(count=1, prefix=f"lease{uuid.uuid4().hex[:5]}", per_node=1)])
+    try:
+        assert node_ready_status(cluster, node) == "True"
+        cluster.fail_node(node, "lease-loss")
+        wait_for(lambda: node_ready_status(cluster, node) == "Unknown", 60, what="Ready=Unknown")
+        wait_for(lambda: "node.kubernetes.io/unreachable" in
+                 [t["key"] for t in get_json(cluster, "node", node)["spec"].get("taints", [])], 30,
+                 what="unreachable taint")
+        cluster.recover_node(node)
+        wait_for(lambda: node_ready_status(cluster, node) == "True", 60, what="recovery")
+    finally:
+        cluster.fail_node(node, "delete")
+    wait_for(lambda: get_json(cluster, "node", node) is None, 30, what="node deletion")
+
+
+def test_pod_security_admission_is_enforced(cluster, namespace):
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "priv"},
+           "spec": {"containers": [{"name": "c", "image": "example.com/app:1",
+                                    "securityContext": {"privileged": True}}]}}
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod), check=False)
+    assert out.returncode != 0 and "violates PodSecurity" in out.stderr, out.stderr
