@@ -60,7 +60,7 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: s
 class ThreadServer:
     """``serve()`` on its own event loop in a thread, bound to a free loopback port."""
 
-    def __init__(self, config):
+    def __init__(self, config, engine_factory=None, wait_ready: bool = True):
         from tokenfleet_serving.server.main import serve
 
         self.port: int | None = None
@@ -76,13 +76,14 @@ class ThreadServer:
 
         def run() -> None:
             self.rc = asyncio.run(serve(config, "127.0.0.1", 0, on_listening=on_listening,
-                                        server_holder=self.holder))
+                                        server_holder=self.holder, engine_factory=engine_factory))
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
         assert listening.wait(60), "server never started listening"
         self.base_url = f"http://127.0.0.1:{self.port}"
-        wait_until(lambda: http("GET", f"{self.base_url}/ready")[0] == 200, 120, what="/ready")
+        if wait_ready:
+            wait_until(lambda: http("GET", f"{self.base_url}/ready")[0] == 200, 120, what="/ready")
 
     @property
     def server(self):

@@ -64,6 +64,7 @@ class Server:
         self.active = 0                       # generation handlers past admission
         self.stopped = asyncio.Event()
         self.created = P.now()
+        self.started_at = time.monotonic()
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -84,12 +85,15 @@ class Server:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
+        def settle(result, error) -> None:
+            if not done.done():
+                done.set_result(result) if error is None else done.set_exception(error)
+
         def build() -> None:        # a daemon thread, so SIGTERM during loading does not wait for it
             try:
-                engine = self.engine_factory(self.config.engine)
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(engine))
-            except BaseException as e:  # noqa: BLE001 - reported, the server stays up and unready
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+                loop.call_soon_threadsafe(settle, self.engine_factory(self.config.engine), None)
+            except BaseException as e:  # noqa: BLE001 - reported by load(); the process exits 1
+                loop.call_soon_threadsafe(settle, None, e)
 
         threading.Thread(target=build, name="engine-load", daemon=True).start()
         try:
@@ -115,9 +119,10 @@ class Server:
         self.engine_loop.listeners.append(lambda outs, at: self.metrics.on_snapshot(self.engine_loop.snapshot.stats, at))
         self.engine_loop.start()
         await self._warm_up()
+        self.metrics.startup_seconds = time.monotonic() - self.started_at
         self.warm = True
-        log.info("ready: %s (context %d tokens, %d KV blocks of %d)", cfg.served_model_names[0], ctx,
-                 stats.num_kv_blocks, stats.block_size)
+        log.info("ready in %.1f s: %s (context %d tokens, %d KV blocks of %d)", self.metrics.startup_seconds,
+                 cfg.served_model_names[0], ctx, stats.num_kv_blocks, stats.block_size)
 
     async def _warm_up(self) -> None:
         """One real forward pass before readiness: proves weights, KV cache and the step thread work."""

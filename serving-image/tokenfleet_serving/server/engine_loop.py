@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ class Snapshot:
     taken_at: float          # time.monotonic()
     drained_seq: int         # every submission with seq <= this is inside the engine
 
+
+log = logging.getLogger("tokenfleet.serve")
 
 OutputListener = Callable[[list[RequestOutput], float], None]
 
@@ -176,10 +179,10 @@ class EngineLoop:
                 else:
                     self._publish([])
                     self._wake.wait(self.idle_wait_s)
-        except BaseException as e:  # the engine is broken: fail every request, stop stepping
+        except BaseException as e:  # noqa: BLE001 - the engine is broken: fail every request, stop stepping
+            log.exception("engine step loop stopped")
             self.error = e
             try:
                 self.loop.call_soon_threadsafe(self._fail_all, e)
             except RuntimeError:     # event loop already closed
                 pass
-            raise

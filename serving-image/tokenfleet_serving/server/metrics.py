@@ -110,6 +110,7 @@ class ServerMetrics:
                  prefix_caching: bool = True, window_s: float = 60.0):
         self.model_name, self.price_per_hour = model_name, price_per_hour
         self.prefix_caching = prefix_caching
+        self.startup_seconds: float | None = None     # process start of serving to ready
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
         self.labels = {"model_name": model_name, "engine": "0"}
@@ -184,6 +185,11 @@ class _EngineCollector:
                          ("draining", "1 after SIGTERM while in-flight requests finish.")):
             g = GaugeMetricFamily(f"tokenfleet:{key}", doc, labels=names)
             g.add_metric(values, 1.0 if state.get(key) else 0.0)
+            yield g
+        if m.startup_seconds is not None:
+            g = GaugeMetricFamily("tokenfleet:startup_seconds", "Seconds from server start to ready "
+                                  "(weights loaded, KV cache allocated, one warm-up token).", labels=names)
+            g.add_metric(values, m.startup_seconds)
             yield g
         s = m.snapshot()
         if s is None:
