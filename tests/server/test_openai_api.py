@@ -123,7 +123,8 @@ def test_metrics_parse_and_carry_vllm_names(live_server, client):
         "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
         "vllm:request_time_per_output_token_seconds": "histogram", "vllm:cache_config_info": "gauge",
         "tokenfleet:output_tokens_per_second": "gauge", "tokenfleet:ready": "gauge",
-        "tokenfleet:startup_seconds": "gauge",
+        "tokenfleet:startup_seconds": "gauge", "vllm:request_prompt_tokens": "histogram",
+        "vllm:request_generation_tokens": "histogram", "tokenfleet:requests_rejected": "counter",
     }
     assert {name: families.get(name) for name in expected} == expected
     text = body.decode()

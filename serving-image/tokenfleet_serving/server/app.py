@@ -111,9 +111,7 @@ class Server:
             max_prompt_tokens=min(cfg.max_prompt_tokens or ctx - 1, ctx - 1),
             max_tokens_limit=min(cfg.max_tokens_limit or ctx, ctx),
             kv_capacity_tokens=stats.num_kv_blocks * stats.block_size)
-        self.metrics = ServerMetrics(cfg.served_model_names[0], max_model_len=ctx, price_per_hour=cfg.price_per_hour,
-                                     prefix_caching=cfg.engine.enable_prefix_caching)
-        self.metrics.state = lambda: {"ready": self.is_ready(), "draining": self.draining}
+        self.metrics.configure(ctx, cfg.engine.enable_prefix_caching)
         self.engine_loop = EngineLoop(engine, loop, max_queue=cfg.max_queue)
         self.metrics.snapshot = lambda: self.engine_loop.snapshot.stats
         self.engine_loop.listeners.append(lambda outs, at: self.metrics.on_snapshot(self.engine_loop.snapshot.stats, at))

@@ -106,8 +106,8 @@ class RequestTimer:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, *, max_model_len: int = 4096, price_per_hour: float | None = None,
-                 prefix_caching: bool = True, window_s: float = 60.0):
+    def __init__(self, model_name: str, *, price_per_hour: float | None = None, prefix_caching: bool = True,
+                 window_s: float = 60.0):
         self.model_name, self.price_per_hour = model_name, price_per_hour
         self.prefix_caching = prefix_caching
         self.startup_seconds: float | None = None     # process start of serving to ready
@@ -124,11 +124,7 @@ class ServerMetrics:
                               labels, buckets=ITL_BUCKETS, registry=reg).labels(**self.labels)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=E2E_BUCKETS, registry=reg).labels(**self.labels)
-        lengths = length_buckets(max_model_len)
-        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                    labels, buckets=lengths, registry=reg).labels(**self.labels)
-        self.gen_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                 labels, buckets=lengths, registry=reg).labels(**self.labels)
+        self.prompt_len = self.gen_len = None      # bucketed by the context length: see configure()
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
                                      labels, registry=reg).labels(**self.labels)
         self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
@@ -141,6 +137,15 @@ class ServerMetrics:
         self.state: Callable[[], dict[str, bool]] = lambda: {}
         reg.register(_EngineCollector(self))
 
+    def configure(self, max_model_len: int, prefix_caching: bool) -> None:
+        """Once the model is loaded: the per-request length histograms need its context length."""
+        self.prefix_caching = prefix_caching
+        lengths = length_buckets(max_model_len)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                    list(self.labels), buckets=lengths, registry=self.registry).labels(**self.labels)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                 list(self.labels), buckets=lengths, registry=self.registry).labels(**self.labels)
+
     def observe_finished(self, timer: RequestTimer, num_prompt_tokens: int, finish_reason: str | None,
                          at: float) -> None:
         if finish_reason == "abort":
@@ -148,8 +153,9 @@ class ServerMetrics:
         self.e2e.observe(at - timer.arrival)
         if timer.tpot is not None:
             self.tpot.observe(timer.tpot)
-        self.prompt_len.observe(num_prompt_tokens)
-        self.gen_len.observe(timer.num_tokens)
+        if self.prompt_len is not None:
+            self.prompt_len.observe(num_prompt_tokens)
+            self.gen_len.observe(timer.num_tokens)
 
     def observe_first_output(self, timer: RequestTimer, num_prompt_tokens: int, num_cached: int) -> None:
         if timer.ttft is not None:
