@@ -104,13 +104,11 @@ class LlamaModel:
         KVH, hd, P, Q = c.num_kv_heads, c.head_dim, grp.num_seqs, grp.q_len
         g = c.num_heads // KVH
         qg = q[:P] if grp.q_rows is None else q.index_select(0, grp.q_rows)       # [P*Q, H, hd]
-        qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd) * self.scale
-        keys = kc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
+        qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd)
+        keys = kc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)                 # [KVH, P, L, hd]
         vals = vc.index_select(1, grp.block_ids).view(KVH, P, -1, hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2))                              # [KVH, P, g*Q, L]
-        scores = scores.view(KVH, P, g, Q, -1).add_(grp.mask)
-        probs = torch.softmax(scores, dim=-1).view(KVH, P, g * Q, -1)
-        out = torch.matmul(probs, vals).view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=grp.mask, scale=self.scale)
+        out = out.view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
         return out if grp.valid is None else out.index_select(0, grp.valid)
 
     def _attention(self, q, k, v, kc, vc, batch: StepBatch) -> torch.Tensor:
@@ -143,8 +141,10 @@ class LlamaModel:
         """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
         c = self.config
         KVH, hd = c.num_kv_heads, c.head_dim
-        for grp in batch.groups:
-            grp.mask = grp.mask.to(self.dtype)
+        g = c.num_heads // KVH
+        for grp in batch.groups:      # [P, 1, Q, L] -> [1, P, g*Q, L], matching the (g, Q) query order
+            mask = grp.mask.to(self.dtype).squeeze(1)
+            grp.mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
         x = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]

@@ -41,7 +41,10 @@ def filter_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    raw = logits.float()
+    simple = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in requests)
+    if simple:                    # the common greedy batch: argmax where the logits are
+        return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+    raw = logits.float().cpu()    # per-request generators live on the CPU
     work = raw
     if any(r.params.needs_penalties for r in requests):
         work = raw.clone()
