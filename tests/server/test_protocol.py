@@ -165,3 +165,32 @@ def test_logprob_formats():
 def test_usage_carries_cached_tokens():
     assert P.usage(10, 3, 8) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                  "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+# ---- any JSON at all: a request or a 400, never a crash ----------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+_fields = sorted(P.COMPLETION_FIELDS | P.CHAT_FIELDS)
+_overrides = st.dictionaries(st.sampled_from(_fields), _json, max_size=3)
+_bodies = st.dictionaries(st.sampled_from(_fields), _json, max_size=8) | _json
+
+
+@settings(max_examples=400, deadline=None)
+@given(body=_bodies, overrides=_overrides, chat=st.booleans(), from_valid=st.booleans())
+def test_any_json_is_a_request_or_a_400(body, overrides, chat, from_valid):
+    if from_valid:        # a valid request with a few fields replaced by arbitrary JSON
+        body = dict(GOOD_CHAT if chat else GOOD, **overrides)
+    try:
+        req = (P.parse_chat if chat else P.parse_completion)(body)
+    except P.ApiError as e:
+        assert e.status == 400 and e.message
+        return
+    try:
+        n = 10
+        P.sampling_params(req, P.resolve_max_tokens(req, n, LIMITS))
+    except P.ApiError as e:
+        assert e.status == 400 and e.message
