@@ -18,7 +18,7 @@ _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 # Variables of the runner's own environment that a local process needs to
 # find its interpreter and packages; everything else comes from the pod.
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR",
-                 "OMP_NUM_THREADS", "TOKENFLEET_BIN_DIR")
+                 "OMP_NUM_THREADS", "TOKENFLEET_BIN_DIR", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 
 
 class LaunchError(ValueError):
@@ -37,6 +37,17 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class FileVolume:
+    """A configMap or secret volume the runner writes as files (and refreshes, as the kubelet does)."""
+    kind: str                      # "configmap" | "secret" | "projected"
+    source: str                    # name of the ConfigMap / Secret ("" for projected)
+    dir: str                       # local folder standing in for the mountPath
+    items: tuple[tuple[str, str], ...] = ()   # (key, relative path); empty = every key as a file
+    optional: bool = False
+    projections: tuple[dict, ...] = ()        # a projected volume's sources, as in the pod spec
+
+
+@dataclass(frozen=True)
 class ContainerLaunch:
     name: str
     image: str
@@ -44,6 +55,7 @@ class ContainerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     readiness: Probe | None = None
+    volumes: tuple[FileVolume, ...] = ()
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -99,10 +111,10 @@ def _probe(container: dict, pod_ip: str) -> Probe | None:
     raise LaunchError(f"container {container['name']!r}: only httpGet and tcpSocket readiness probes are supported")
 
 
-def _path_map(pod: dict, container: dict, scratch: str) -> list[tuple[str, str]]:
-    """(mountPath, local path) pairs, longest mountPath first."""
+def _path_map(pod: dict, container: dict, scratch: str) -> tuple[list[tuple[str, str]], list[FileVolume]]:
+    """(mountPath, local path) pairs, longest mountPath first, and the file volumes to write."""
     volumes = {v["name"]: v for v in pod.get("spec", {}).get("volumes", [])}
-    pairs = []
+    pairs, files = [], []
     for m in container.get("volumeMounts", []):
         v = volumes.get(m["name"])
         if v is None:
@@ -111,12 +123,27 @@ def _path_map(pod: dict, container: dict, scratch: str) -> list[tuple[str, str]]
             local = v["hostPath"]["path"]
         elif "emptyDir" in v:
             local = f"{scratch}/volumes/{m['name']}"
+        elif "configMap" in v or "secret" in v:
+            local = f"{scratch}/volumes/{m['name']}"
+            kind = "configmap" if "configMap" in v else "secret"
+            src = v.get("configMap") or v.get("secret")
+            files.append(FileVolume(kind, src.get("name") or src.get("secretName"), local,
+                                    tuple((i["key"], i["path"]) for i in src.get("items", [])),
+                                    bool(src.get("optional"))))
+        elif "projected" in v:
+            local = f"{scratch}/volumes/{m['name']}"
+            sources = tuple(v["projected"].get("sources", []))
+            for src in sources:
+                if not ({"serviceAccountToken", "configMap", "secret", "downwardAPI"} & set(src)):
+                    raise LaunchError(f"volume {m['name']!r}: projected source {sorted(src)} is not supported")
+            files.append(FileVolume("projected", "", local, projections=sources))
         else:
-            continue  # configMap/secret/projected volumes: not materialised locally
+            raise LaunchError(f"volume {m['name']!r}: only hostPath, emptyDir, configMap, secret and projected "
+                              "volumes are supported by the local runner")
         if m.get("subPath"):
             local = f"{local.rstrip('/')}/{m['subPath']}"
         pairs.append((m["mountPath"].rstrip("/") or "/", local))
-    return sorted(pairs, key=lambda p: -len(p[0]))
+    return sorted(pairs, key=lambda p: -len(p[0])), files
 
 
 def _map_paths(value: str, pairs: list[tuple[str, str]]) -> str:
@@ -141,7 +168,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
     for c in pod.get("spec", {}).get("containers", []):
         if not c.get("image", "").startswith(image_prefix):
             continue
-        pairs = _path_map(pod, c, scratch)
+        pairs, files = _path_map(pod, c, scratch)
         env = {k: base_env[k] for k in INHERITED_ENV if k in base_env}
         env.update({"HOSTNAME": pod["metadata"]["name"], "POD_IP": pod_ip})
         for e in c.get("env", []):
@@ -171,5 +198,5 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]
         cwd = _map_paths(c["workingDir"], pairs) if c.get("workingDir") else scratch
-        out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip)))
+        out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files)))
     return out

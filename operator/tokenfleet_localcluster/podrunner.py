@@ -23,6 +23,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from .launch import ContainerLaunch, LaunchError, Probe, container_launches
+from .launch import ContainerLaunch, FileVolume, LaunchError, Probe, container_launches
 
 log = logging.getLogger("pod-runner")
 
@@ -76,8 +77,10 @@ class LocalPod:
     host_ip: str
     restart_policy: str
     containers: list[Running] = field(default_factory=list)
+    service_account: str = "default"
     terminating: bool = False
     reported: tuple | None = None
+    tokens: dict = field(default_factory=dict)
 
 
 class PodRunner:
@@ -89,6 +92,10 @@ class PodRunner:
         self.pods: dict[str, LocalPod] = {}
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        self._next_volume_refresh = 0.0
+        # What the kubelet gives every container to find the API server.
+        url = urllib.parse.urlsplit(api.api_client.configuration.host)
+        self.service_env = {"KUBERNETES_SERVICE_HOST": url.hostname, "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
 
     # ---------------------------------------------------------------- intake
     def ours(self, pod) -> bool:
@@ -138,6 +145,86 @@ class PodRunner:
                 return None
             raise
 
+    def _source_data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            if kind == "configmap":
+                return self.api.read_namespaced_config_map(name, namespace).data or {}
+            import base64
+            raw = self.api.read_namespaced_secret(name, namespace).data or {}
+            return {k: base64.b64decode(b).decode(errors="replace") for k, b in raw.items()}
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _token(self, local: "LocalPod", src: dict) -> str:
+        """A ServiceAccount token bound to the pod (TokenRequest), renewed at 80% of its lifetime."""
+        key = (src.get("audience"), src.get("expirationSeconds", 3600))
+        cached = local.tokens.get(key)
+        if cached and time.monotonic() < cached[1]:
+            return cached[0]
+        spec = client.V1TokenRequestSpec(
+            audiences=[src["audience"]] if src.get("audience") else [],
+            expiration_seconds=int(src.get("expirationSeconds", 3600)),
+            bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=local.name,
+                                                           uid=local.uid))
+        tr = self.api.create_namespaced_service_account_token(local.service_account, local.namespace,
+                                                              client.AuthenticationV1TokenRequest(spec=spec))
+        lifetime = int(src.get("expirationSeconds", 3600))
+        local.tokens[key] = (tr.status.token, time.monotonic() + 0.8 * lifetime)
+        return tr.status.token
+
+    def _field(self, local: "LocalPod", path: str) -> str:
+        return {"metadata.namespace": local.namespace, "metadata.name": local.name,
+                "metadata.uid": local.uid}.get(path, "")
+
+    def _volume_files(self, local: "LocalPod", v: FileVolume) -> dict[str, str] | None:
+        """The files of one volume (relative path -> content), or None if a required source is missing."""
+        if v.kind in ("configmap", "secret"):
+            data = self._source_data(v.kind, local.namespace, v.source)
+            if data is None:
+                return {} if v.optional else None
+            items = v.items or tuple((k, k) for k in data)
+            return {rel: data[key] for key, rel in items if key in data}
+        files: dict[str, str] = {}
+        for src in v.projections:
+            if "serviceAccountToken" in src:
+                files[src["serviceAccountToken"]["path"]] = self._token(local, src["serviceAccountToken"])
+            elif "downwardAPI" in src:
+                for item in src["downwardAPI"].get("items", []):
+                    files[item["path"]] = self._field(local, item.get("fieldRef", {}).get("fieldPath", ""))
+            else:
+                kind = "configmap" if "configMap" in src else "secret"
+                ref = src.get("configMap") or src.get("secret")
+                data = self._source_data(kind, local.namespace, ref["name"])
+                if data is None:
+                    if ref.get("optional"):
+                        continue
+                    return None
+                items = tuple((i["key"], i["path"]) for i in ref.get("items", [])) or tuple((k, k) for k in data)
+                files.update({rel: data[key] for key, rel in items if key in data})
+        return files
+
+    def write_volumes(self, local: "LocalPod", launch: ContainerLaunch) -> bool:
+        """Write configMap/secret/projected volumes as files; True when every required source exists."""
+        ok = True
+        for v in launch.volumes:
+            files = self._volume_files(local, v)
+            if files is None:
+                ok = False
+                continue
+            base = Path(v.dir)
+            base.mkdir(parents=True, exist_ok=True)
+            for rel, content in files.items():
+                target = base / rel
+                if target.exists() and target.read_text(errors="replace") == content:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}.tmp")
+                tmp.write_text(content)
+                tmp.replace(target)  # atomic, so a reader never sees half a file
+        return ok
+
     def start(self, pod) -> None:
         raw = self.api.api_client.sanitize_for_serialization(pod)
         ip = self.ips.take()
@@ -151,17 +238,23 @@ class PodRunner:
         scratch = self.log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid[:8]}"
         scratch.mkdir(parents=True, exist_ok=True)
         local = LocalPod(pod.metadata.uid, pod.metadata.namespace, pod.metadata.name, ip, host_ip,
-                         pod.spec.restart_policy or "Always")
+                         pod.spec.restart_policy or "Always",
+                         service_account=pod.spec.service_account_name or "default")
         self.pods[local.uid] = local
         try:
-            launches = container_launches(raw, ip, host_ip, dict(os.environ), str(scratch), self.image_prefix,
-                                          lookup=self._lookup)
+            launches = container_launches(raw, ip, host_ip, {**os.environ, **self.service_env}, str(scratch),
+                                          self.image_prefix, lookup=self._lookup)
         except LaunchError as e:
             log.error("%s/%s cannot run locally: %s", local.namespace, local.name, e)
             self._patch(local, {"phase": "Failed", "reason": "LocalRunnerError", "message": str(e)})
             return
         for launch in launches:
             (scratch / "volumes").mkdir(exist_ok=True)
+            if not self.write_volumes(local, launch):
+                msg = f"container {launch.name}: a configMap/secret volume source does not exist"
+                log.error("%s/%s: %s", local.namespace, local.name, msg)
+                self._patch(local, {"phase": "Failed", "reason": "LocalRunnerError", "message": msg})
+                return
             running = Running(launch, None, now())
             self._spawn(local, running, scratch)
             local.containers.append(running)
@@ -196,6 +289,15 @@ class PodRunner:
 
     def tick(self) -> None:
         t = time.monotonic()
+        if t >= self._next_volume_refresh:
+            self._next_volume_refresh = t + 2.0
+            for local in list(self.pods.values()):
+                for r in local.containers:
+                    if r.launch.volumes and not local.terminating:
+                        try:
+                            self.write_volumes(local, r.launch)
+                        except Exception as e:
+                            log.warning("refreshing volumes of %s/%s: %s", local.namespace, local.name, e)
         for local in list(self.pods.values()):
             if local.terminating:
                 continue

@@ -70,6 +70,8 @@ def test_readiness_probe_by_named_port():
     ({"readinessProbe": {"tcpSocket": {"port": "nope"}}}, [], "names no containerPort"),
     ({"env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}}]}, [], "status.podIPs"),
     ({"volumeMounts": [{"name": "ghost", "mountPath": "/g"}]}, [], "names no volume"),
+    ({"volumeMounts": [{"name": "n", "mountPath": "/n"}]}, [{"name": "n", "nfs": {"server": "s", "path": "/"}}],
+     "only hostPath, emptyDir, configMap, secret and projected"),
     ({"env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}, [], "no key"),
 ])
 def test_unsupported_or_broken_pods_fail_with_a_message(container, volumes, message):
@@ -84,3 +86,16 @@ def test_config_map_references_resolve_through_lookup():
               "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}])
     (c,) = launch(p, lookup=lambda *a: seen.append(a) or "value")
     assert c.env["X"] == "value" and seen == [("configmap", "ns1", "cm", "k")]
+
+
+def test_config_map_and_secret_volumes_become_local_file_folders():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["run", "--config", "/etc/app/router.json"],
+              "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}, {"name": "key", "mountPath": "/secrets"}]}],
+            volumes=[{"name": "cfg", "configMap": {"name": "router"}},
+                     {"name": "key", "secret": {"secretName": "api", "items": [{"key": "k", "path": "api-key"}],
+                                                "optional": True}}])
+    (c,) = launch(p)
+    assert c.argv[1:] == ("--config", "/tmp/scratch/volumes/cfg/router.json")
+    cfg, key = c.volumes
+    assert (cfg.kind, cfg.source, cfg.dir, cfg.items, cfg.optional) == ("configmap", "router", "/tmp/scratch/volumes/cfg", (), False)
+    assert (key.kind, key.source, key.items, key.optional) == ("secret", "api", (("k", "api-key"),), True)

@@ -257,3 +257,34 @@ def test_pod_security_admission_is_enforced(cluster, namespace):
                                     "securityContext": {"privileged": True}}]}}
     out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod), check=False)
     assert out.returncode != 0 and "violates PodSecurity" in out.stderr, out.stderr
+
+
+def test_pod_runner_materialises_and_refreshes_config_map_volumes(cluster, namespace):
+    cluster.kubectl("create", "configmap", "cfg", "-n", namespace, "--from-literal=msg=first")
+    code = ("import http.server, os\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        b = open(os.environ['MSG_FILE']).read().encode()\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(b)\n"
+            "http.server.HTTPServer((os.environ['POD_IP'], 8080), H).serve_forever()\n")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cfgreader"},
+           "spec": {"terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "c", "image": "tokenfleet/serving:test", "command": ["python3", "-c", code],
+                                    "env": [{"name": "MSG_FILE", "value": "/etc/cfg/msg"}],
+                                    "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}],
+                                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}],
+                    "volumes": [{"name": "cfg", "configMap": {"name": "cfg"}}]}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod))
+
+    def ready_ip():
+        s = (get_json(cluster, "pod", "cfgreader", "-n", namespace) or {}).get("status", {})
+        ok = any(c["type"] == "Ready" and c["status"] == "True" for c in s.get("conditions", []))
+        return s.get("podIP") if ok else None
+    ip = wait_for(ready_ip, 60, what="cfgreader Ready")
+
+    def served():
+        with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as r:
+            return r.read().decode()
+    assert served() == "first"
+    cluster.kubectl("patch", "configmap", "cfg", "-n", namespace, "-p", '{"data":{"msg":"second"}}')
+    wait_for(lambda: served() == "second", 20, what="the refreshed file")
