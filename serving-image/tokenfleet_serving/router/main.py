@@ -1,0 +1,106 @@
+"""``tokenfleet route --config /etc/tokenfleet/router.json``: the cache- and load-aware router.
+
+Exit codes: 0 after SIGTERM/SIGINT (open requests finish first, up to
+--drain-timeout), 2 for bad arguments or a bad router.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("tokenfleet.router")
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenfleet route", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="router.json (written by the operator into the router ConfigMap)")
+    p.add_argument("--endpoints", default=None,
+                   help="endpoints.json, re-read when it changes (default: endpoints.json next to --config)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--model", default=None,
+                   help="model directory to load the tokenizer from (default: modelPath in router.json)")
+    p.add_argument("--poll-interval", type=_positive_float, default=0.5,
+                   help="seconds between polls of each backend's /metrics and /cache/blocks")
+    p.add_argument("--backend-api-key", default=None,
+                   help="bearer token for the backends' /cache/blocks (default: $TOKENFLEET_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20 + 4096)
+    p.add_argument("--drain-timeout", type=_positive_float, default=25.0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def load_tokenizer(model_dir: str | None):
+    """The prompt tokenizer, or None (with a warning) when there is none: routing then ignores prefixes."""
+    from tokenfleet_serving.router.prompt import PromptTokenizer, TokenizerError
+
+    if not model_dir:
+        log.warning("no model directory (modelPath in router.json or --model): prefix-aware routing sees "
+                    "only token-id prompts")
+        return None
+    try:
+        return PromptTokenizer.from_directory(model_dir)
+    except TokenizerError as exc:
+        log.warning("cannot load the tokenizer (%s): prefix-aware routing sees only token-id prompts", exc)
+        return None
+
+
+async def run(router, host: str, port: int, drain_timeout_s: float, *, on_listening=None,
+              stop: asyncio.Event | None = None) -> int:
+    from aiohttp import web
+
+    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
+    log.info("routing on %s:%d (policy %s)", host, bound, router.config.policy)
+    stop = stop or asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if on_listening is not None:
+        on_listening(bound)
+    try:
+        await stop.wait()
+        await router.drain(drain_timeout_s)
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet_serving.router.app import Router
+    from tokenfleet_serving.router.config import ConfigError, load_router_config
+
+    try:
+        config = load_router_config(args.config)
+    except ConfigError as exc:
+        print(f"tokenfleet route: {exc}", file=sys.stderr)
+        return 2
+    endpoints = args.endpoints or str(Path(args.config).with_name("endpoints.json"))
+    tokenizer = load_tokenizer(args.model or config.model_path)
+    router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval,
+                    backend_api_key=args.backend_api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
+                    max_body_bytes=args.max_body_bytes)
+    return asyncio.run(run(router, args.host, args.port, args.drain_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""What the router knows about each backend, kept fresh by polling.
+
+Every ``interval`` seconds (default 0.5) the poller fetches each listed
+endpoint's ``/metrics`` (vLLM names: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:generation_tokens_total``; ``tokenfleet:ready`` when present) and
+``/cache/blocks`` (the engine's cached block hashes). Between polls the router
+adds the blocks of requests it has just routed to the chosen backend's set for
+a few seconds, so a burst of requests sharing a new prefix sticks together
+before the next poll can show the prefix as cached.
+
+A backend is routable when its pod is Ready (endpoints.json), its last poll
+succeeded less than ``stale_after`` seconds ago, it does not report
+``tokenfleet:ready 0`` (draining), and no connection to it has failed since
+its last good poll.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tokenfleet_serving.router.config import Endpoint, RouterConfig
+from tokenfleet_serving.router.policy import BackendView
+
+log = logging.getLogger("tokenfleet.router.state")
+
+RECENT_TTL_S = 5.0
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """The numbers the router reads from one scrape of a backend's /metrics."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    generation_tokens: float | None = None  # cumulative counter; None: not exported
+    ready: bool | None = None               # tokenfleet:ready; None: not exported (another server)
+
+    @property
+    def load(self) -> int:
+        return int(round(self.running + self.waiting))
+
+
+def parse_engine_metrics(text: str) -> EngineSample:
+    """Parse Prometheus text; values are summed over label sets (several engines in one server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = collections.defaultdict(float)
+    seen: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            seen.add(s.name)
+            sums[s.name] += s.value
+    gen = "vllm:generation_tokens_total"
+    if gen not in seen and "vllm:generation_tokens" in seen:
+        gen = "vllm:generation_tokens"
+    return EngineSample(
+        running=sums["vllm:num_requests_running"],
+        waiting=sums["vllm:num_requests_waiting"],
+        kv_usage=min(1.0, max(0.0, sums["vllm:kv_cache_usage_perc"])),
+        generation_tokens=sums[gen] if gen in seen else None,
+        ready=(sums["tokenfleet:ready"] > 0) if "tokenfleet:ready" in seen else None,
+    )
+
+
+class CounterRate:
+    """Per-second rate of a cumulative counter over a sliding window; a counter reset starts over."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, t: float, value: float) -> None:
+        if self.samples and value < self.samples[-1][1]:
+            self.samples.clear()  # the backend restarted
+        self.samples.append((t, value))
+        while len(self.samples) > 2 and self.samples[1][0] <= t - self.window_s:
+            self.samples.popleft()
+
+    def rate(self) -> float:
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self.samples[0], self.samples[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class _CachedView:
+    """Polled block hashes plus recently routed ones, without copying the polled set."""
+
+    def __init__(self, polled: frozenset[str], recent: dict[str, float], now: float):
+        self.polled, self.recent, self.now = polled, recent, now
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.polled or (h in self.recent and self.recent[h] > self.now)  # type: ignore[operator]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.polled
+        yield from (h for h, exp in self.recent.items() if exp > self.now and h not in self.polled)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@dataclass
+class BackendState:
+    endpoint: Endpoint
+    sample: EngineSample | None = None
+    cached: frozenset[str] = frozenset()
+    block_size: int | None = None
+    polled_at: float | None = None      # monotonic time of the last good poll
+    last_error: str | None = None
+    failed: bool = False                # a connection failed since the last good poll
+    inflight: int = 0                   # requests this router has open to it
+    recent: dict[str, float] = field(default_factory=dict)
+    tokens: CounterRate = field(default_factory=CounterRate)
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.pod
+
+    def load(self) -> int:
+        polled = self.sample.load if self.sample else 0
+        return max(polled, self.inflight)
+
+
+class SessionTable:
+    """Session key -> (backend, last use); entries idle for ttl seconds are forgotten."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self.entries: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    def pinned(self, key: str, now: float) -> str | None:
+        self._expire(now)
+        entry = self.entries.get(key)
+        return entry[0] if entry else None
+
+    def pin(self, key: str, backend: str, now: float) -> None:
+        self.entries[key] = (backend, now)
+        self.entries.move_to_end(key)
+
+    def _expire(self, now: float) -> None:
+        while self.entries:
+            key, (_, last) = next(iter(self.entries.items()))
+            if now - last < self.ttl_s:
+                break
+            self.entries.popitem(last=False)
+
+
+class Fleet:
+    """All backends of the service, keyed by pod name."""
+
+    def __init__(self, config: RouterConfig, *, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.interval_s = interval_s
+        self.stale_after_s = max(3 * interval_s, 3.0)
+        self.clock = clock
+        self.backends: dict[str, BackendState] = {}
+        self.sessions = SessionTable(config.session_affinity.ttl_seconds)
+        self.endpoints_loaded = False
+
+    # ---- endpoints -------------------------------------------------------------------------
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Adopt a new endpoint list; a pod whose address did not change keeps its polled state."""
+        fresh: dict[str, BackendState] = {}
+        for ep in endpoints:
+            old = self.backends.get(ep.pod)
+            if old is not None and (old.endpoint.ip, old.endpoint.port) == (ep.ip, ep.port):
+                old.endpoint = ep
+                fresh[ep.pod] = old
+            else:
+                fresh[ep.pod] = BackendState(ep)
+        self.backends = fresh
+        self.endpoints_loaded = True
+
+    # ---- polling results ---------------------------------------------------------------------
+    def record_poll(self, name: str, sample: EngineSample, cached: frozenset[str] | None,
+                    block_size: int | None) -> None:
+        b = self.backends.get(name)
+        if b is None:
+            return
+        now = self.clock()
+        b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
+        if cached is not None:
+            b.cached = cached
+            b.recent = {h: exp for h, exp in b.recent.items() if exp > now and h not in cached}
+        if block_size is not None and block_size != b.block_size:
+            b.block_size = block_size
+            if block_size != self.config.kv_block_size:
+                log.warning("backend %s reports block size %d but router.json says kvBlockSize %d: "
+                            "prefix hits on it cannot be seen", name, block_size, self.config.kv_block_size)
+        if sample.generation_tokens is not None:
+            b.tokens.add(now, sample.generation_tokens)
+
+    def record_poll_failure(self, name: str, error: str) -> None:
+        b = self.backends.get(name)
+        if b is not None:
+            if b.last_error != error:
+                log.info("backend %s: %s", name, error)
+            b.last_error, b.failed = error, True
+
+    def mark_failed(self, name: str, error: str) -> None:
+        """A request could not reach the backend: stop routing to it until a poll succeeds again."""
+        self.record_poll_failure(name, error)
+
+    # ---- routing inputs ------------------------------------------------------------------------
+    def is_routable(self, b: BackendState) -> bool:
+        now = self.clock()
+        return (b.endpoint.ready and not b.failed and b.polled_at is not None
+                and now - b.polled_at <= self.stale_after_s
+                and (b.sample is None or b.sample.ready is not False))
+
+    def routable(self, tier: str | None = None) -> list[BackendState]:
+        return [b for b in self.backends.values()
+                if self.is_routable(b) and (tier is None or b.endpoint.tier == tier)]
+
+    def tiers_available(self) -> set[str]:
+        return {b.endpoint.tier for b in self.routable()}
+
+    def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
+        now = self.clock()
+        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
+                            _CachedView(b.cached, b.recent, now) if b.recent else b.cached)
+                for b in self.routable(tier) if b.name not in exclude]
+
+    def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
+        b = self.backends.get(name)
+        if b is None or not block_hashes:
+            return
+        expiry = self.clock() + RECENT_TTL_S
+        for h in block_hashes:
+            if h not in b.cached:
+                b.recent[h] = expiry
+
+    # ---- cost ------------------------------------------------------------------------------------
+    def generation_tokens_per_second(self) -> float:
+        now = self.clock()
+        return sum(b.tokens.rate() for b in self.backends.values()
+                   if b.polled_at is not None and now - b.polled_at <= self.stale_after_s)
+
+
+def cost_per_million_tokens(dollars_per_hour: float, tokens_per_second: float) -> float | None:
+    """$/h / (tokens/s * 3600) * 1e6; None when nothing is generated (the cost per token is undefined)."""
+    if tokens_per_second <= 0:
+        return None
+    return dollars_per_hour / (tokens_per_second * 3600.0) * 1e6
+
+
+async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | None, timeout_s: float) -> None:
+    """One poll of one backend: /metrics and /cache/blocks, concurrently."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    base = b.endpoint.url
+
+    async def get_metrics() -> EngineSample:
+        async with session.get(f"{base}/metrics", timeout=timeout) as r:
+            if r.status != 200:
+                raise RuntimeError(f"/metrics answered {r.status}")
+            return parse_engine_metrics(await r.text())
+
+    async def get_blocks() -> tuple[frozenset[str] | None, int | None]:
+        async with session.get(f"{base}/cache/blocks", headers=headers, timeout=timeout) as r:
+            if r.status in (404, 503):  # another server, or the model is still loading
+                return None, None
+            if r.status != 200:
+                raise RuntimeError(f"/cache/blocks answered {r.status}")
+            body = await r.json()
+            hashes = body.get("block_hashes") if isinstance(body, dict) else None
+            if not isinstance(hashes, list):
+                raise RuntimeError("/cache/blocks has no block_hashes list")
+            size = body.get("block_size")
+            return frozenset(h for h in hashes if isinstance(h, str)), size if isinstance(size, int) else None
+
+    try:
+        sample, (cached, block_size) = await asyncio.gather(get_metrics(), get_blocks())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if fleet.backends.get(b.name) is b:
+            fleet.record_poll_failure(b.name, f"poll failed: {type(exc).__name__}: {exc}")
+        return
+    if fleet.backends.get(b.name) is b:  # not replaced by a new pod of the same name meanwhile
+        fleet.record_poll(b.name, sample, cached, block_size)
+
+
+async def poll_forever(session, fleet: Fleet, api_key: str | None = None) -> None:
+    while True:
+        started = fleet.clock()
+        backends = list(fleet.backends.values())
+        if backends:
+            await asyncio.gather(*(poll_backend(session, fleet, b, api_key, max(1.0, 2 * fleet.interval_s))
+                                   for b in backends))
+        await asyncio.sleep(max(0.05, fleet.interval_s - (fleet.clock() - started)))
