@@ -178,7 +178,7 @@ def crd_manifest(resource: type[Resource]) -> dict[str, Any]:
         "metadata": {"name": f"{info.plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
-            "scope": "Namespaced",
+            "scope": "Cluster" if getattr(resource, "cluster_scoped", False) else "Namespaced",
             "names": {
                 "kind": info.kind,
                 "listKind": f"{info.kind}List",

@@ -32,6 +32,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "Node": ("nodes", False),
     "InferenceService": ("inferenceservices", True),
     "Slice": ("slices", True),
+    "SliceQueue": ("slicequeues", False),
 }
 
 
@@ -155,6 +156,34 @@ class Kube:
             item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
         return items
+
+    def list_cluster(self, api_version: str, kind: str, *, label_selector: str | None = None,
+                     field_selector: str | None = None) -> list[dict[str, Any]]:
+        """List a namespaced kind across all namespaces (or a cluster-scoped kind)."""
+        plural, _ = _PLURALS[kind]
+        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        items = self._call("GET", f"{base}/{plural}", query=query).get("items", [])
+        for item in items:
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
+
+    def bind(self, namespace: str, pod: str, node: str, *, uid: str | None = None) -> None:
+        """Bind a pod to a node through the Binding API (pods/binding).
+
+        The call is made as raw JSON: the generated client's
+        create_namespaced_pod_binding fails to parse the Status the server
+        returns. With uid, the server refuses to bind a pod of the same name
+        that is not the one the caller planned for. A pod that is already
+        bound fails with 409."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": pod, "namespace": namespace, **({"uid": uid} if uid else {})},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        self._call("POST", path_for("v1", "Pod", namespace, pod, "binding"), body=body,
+                   query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """Create; None if an object of that name already exists."""

@@ -18,10 +18,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--metrics-port", type=int, default=9090, help="port of /metrics (0 disables)")
     ap.add_argument("--health-port", type=int, default=8081, help="port of /healthz (0 disables)")
     ap.add_argument("--resync-seconds", type=float, default=30.0, help="re-reconcile every object this often")
+    ap.add_argument("--schedule-interval-seconds", type=float, default=5.0,
+                    help="run a gang-scheduler pass at least this often (events trigger passes sooner)")
+    ap.add_argument("--no-gang-scheduler", action="store_true",
+                    help="leave Slice members to the default scheduler (no all-or-nothing placement, no queues)")
     ap.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
     if args.resync_seconds <= 0:
         ap.error("--resync-seconds must be positive")
+    if args.schedule_interval_seconds <= 0:
+        ap.error("--schedule-interval-seconds must be positive")
     return args
 
 
@@ -30,17 +36,29 @@ def main(argv: list[str] | None = None) -> int:
     import kopf
     from prometheus_client import start_http_server
 
+    from tokenfleet_operator.gang_scheduler import GangScheduler
     from tokenfleet_operator.handlers import kopf_handlers
     from tokenfleet_operator.handlers.runtime import Runtime
+    from tokenfleet_operator.handlers.slice import use_admission
     from tokenfleet_operator.kube import Kube
 
     kopf.configure(verbose=args.verbose)  # sets up logging for Kopf and for our loggers
     logging.getLogger("tokenfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     runtime = Runtime(Kube(), args.namespace or None, args.resync_seconds)
     kopf_handlers.RUNTIME = runtime
+    scheduler = None
+    if not args.no_gang_scheduler:
+        scheduler = GangScheduler(
+            Kube(), args.namespace or None, interval=args.schedule_interval_seconds,
+            on_change=lambda namespace, name: runtime.requeue("Slice", namespace, name, 0.0),
+        )
+        use_admission(scheduler.admission)
+        kopf_handlers.SCHEDULER = scheduler
     if args.metrics_port:
         start_http_server(args.metrics_port)
     runtime.start()
+    if scheduler:
+        scheduler.start()
     try:
         kopf.run(
             standalone=True,
@@ -49,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
         )
     finally:
+        if scheduler:
+            scheduler.stop()
         runtime.stop()
     return 0
 

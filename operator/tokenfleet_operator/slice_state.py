@@ -80,12 +80,24 @@ def pod_view(pod: dict[str, Any]) -> PodView:
 @dataclass(frozen=True)
 class Admission:
     """The placement decision for this Slice: admitted (with optional node per
-    member) or not, with a reason. The default lets the scheduler place pods."""
+    member) or not, with a reason. The default lets the scheduler place pods.
+
+    With ``scheduler_name`` set the Slice is gang-scheduled: its member pods are
+    created at once, unbound, for that scheduler, which binds all of them or
+    none. The Slice is admitted exactly when every member is bound; until then
+    ``reason``/``message`` say why it waits (the placer's reason, with numbers).
+    ``preempted_by`` names the Slice this one is being evicted for: losing
+    members to a preemption is not a failure and costs no restart.
+    """
 
     admitted: bool = True
     nodes: dict[int, str] | None = None
     reason: str = "DefaultScheduler"
     message: str = "members are placed by the default scheduler, preferring one topology domain"
+    scheduler_name: str | None = None
+    preempted_by: str | None = None
+    requeues: int = 0
+    requeue_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,38 @@ def _failure(current: list[PodView], hosts: int, was_running: bool) -> tuple[str
     return None
 
 
+def _was_fully_bound(pods: list[PodView], hosts: int) -> bool:
+    """Every member of the attempt exists and is bound to a node."""
+    return len({p.member for p in pods if p.node}) >= hosts
+
+
+def _admission_status(old: dict[str, Any] | None, phase: str, members: dict[str, int], hosts: int,
+                      admission: Admission, now: dt.datetime) -> dict[str, Any] | None:
+    """status.admission of a gang-scheduled Slice.
+
+    queuedAt is set when an attempt starts waiting (and again when an admitted
+    gang waits again: a restart or a preemption); admittedAt and waitSeconds
+    once every member is bound. Nothing changes between those points, so a
+    waiting Slice's status does not churn."""
+    adm = dict(old or {})
+    if phase in ("Restarting", "Failed"):
+        return None
+    if not adm.get("queuedAt") or (adm.get("admittedAt") and phase == "Pending"):
+        adm = {"queuedAt": cond.now_rfc3339(now)}
+    if members["scheduled"] >= hosts and not adm.get("admittedAt"):
+        adm["admittedAt"] = cond.now_rfc3339(now)
+        adm["waitSeconds"] = max(0, int((now - cond.parse_rfc3339(adm["queuedAt"])).total_seconds()))
+    if phase == "Pending" and admission.requeues:
+        adm["requeues"] = admission.requeues
+        if admission.requeue_at:
+            adm["requeueAt"] = admission.requeue_at
+        else:
+            adm.pop("requeueAt", None)
+    elif phase != "Pending":
+        adm.pop("requeueAt", None)
+    return adm
+
+
 def plan_slice(
     obj: dict[str, Any],
     spec: SliceSpec,
@@ -147,6 +191,7 @@ def plan_slice(
     node_domains: dict[str, str] | None = None,
 ) -> SlicePlan:
     admission = admission or Admission()
+    gang = admission.scheduler_name is not None
     node_domains = node_domains or {}
     meta = obj["metadata"]
     generation = meta.get("generation")
@@ -200,6 +245,8 @@ def plan_slice(
         }
         if placement:
             status["placement"] = placement
+        if gang:
+            status["admission"] = _admission_status(old.get("admission"), new_phase, members, spec.hosts, admission, now)
         if last_restart:
             status["lastRestart"] = last_restart
         if not_before:
@@ -240,12 +287,32 @@ def plan_slice(
             cond.Desired("Failed", "True", reason, message),
         ])
 
+    # 3a. Preempted (gang scheduler): give the capacity back, wait, and queue again.
+    # No restart is counted: the gang did nothing wrong.
+    if gang and admission.preempted_by and (any(p.node for p in current) or terminating):
+        plan.delete.extend(x.name for x in current)
+        current = []
+        plan.requeue_after = 2.0
+        text = f"evicted as a whole gang for higher-priority Slice {admission.preempted_by}; it queues again once its members are gone"
+        return finish("Pending", [
+            cond.Desired("Admitted", "False", "Preempted", text),
+            cond.Desired("Placed", "False", "Preempted", text),
+            cond.Desired("Ready", "False", "Preempted", text),
+            cond.Desired("Failed", "False", "WithinRestartBudget", f"restart {restarts}/{spec.restart_policy.max_restarts}" if restarts else "no restarts"),
+        ])
+
     # 3. A member of the current attempt failed: restart the whole gang, or give up.
     # Members missing from a running gang are lost, unless they are being replaced.
-    failure = _failure(current, spec.hosts, was_running=phase in ("Ready", "Degraded") and not stale and not terminating)
+    failure = _failure(current, spec.hosts, was_running=phase in ("Ready", "Degraded") and not stale and not terminating
+                       and not (gang and admission.preempted_by))
     # A pod of the current attempt that is being deleted was not deleted by us
     # (we only delete older attempts): an eviction, a drain or a person.
     deleted = [p for p in terminating if p.revision == revision and p.attempt == attempt and p.member is not None]
+    if gang and not _was_fully_bound(current + deleted, spec.hosts):
+        # A gang that was never bound completely has not started: losing a member
+        # of it (the gang scheduler's rollback, or a person) is no failure. The
+        # remaining members are recreated once the deleted ones are gone.
+        deleted = []
     if deleted and not failure:
         failure = ("MemberDeleted", deleted[0].member, f"pod {deleted[0].name} is being deleted")
     if failure:
@@ -303,8 +370,9 @@ def plan_slice(
             cond.Desired("Failed", "False", "WithinRestartBudget", restart_text or "no restarts"),
         ])
 
-    # 5. Admission: without it, nothing is created.
-    if not admission.admitted and not current:
+    # 5. Admission: without it, nothing is created (gang-scheduled Slices create
+    # their members unbound and wait for the gang scheduler to bind them all).
+    if not gang and not admission.admitted and not current:
         return finish("Pending", [
             cond.Desired("Admitted", "False", admission.reason, admission.message),
             cond.Desired("Placed", "False", "NotAdmitted", "waiting for admission"),
@@ -321,20 +389,44 @@ def plan_slice(
         if member in present:
             continue
         node = (admission.nodes or {}).get(member)
-        plan.create.append(member_pod(obj, spec, member, attempt=attempt, revision=revision, node=node, restore_from=restore_from))
+        plan.create.append(member_pod(obj, spec, member, attempt=attempt, revision=revision, node=node,
+                                      restore_from=restore_from, scheduler_name=admission.scheduler_name))
     if plan.create and restarts and restore_from:
         checkpoint = dict(checkpoint or {}) | {"restoredAt": now_s}
 
     ready = sum(1 for p in current if p.ready)
     scheduled = sum(1 for p in current if p.node)
     unschedulable = [p for p in current if p.unschedulable]
+    failed_cond = cond.Desired("Failed", "False", "WithinRestartBudget", restart_text or "no restarts")
+    if gang and scheduled == 0:
+        return finish("Pending", [
+            cond.Desired("Admitted", "False", admission.reason, admission.message),
+            cond.Desired("Placed", "False", "NotAdmitted", f"0/{spec.hosts} members bound; waiting for the gang scheduler"),
+            cond.Desired("Ready", "False", admission.reason, admission.message),
+            failed_cond,
+        ])
+    if gang and scheduled < spec.hosts:
+        text = f"{scheduled}/{spec.hosts} members bound; the gang scheduler binds all members or rolls them back"
+        return finish("Admitted", [
+            cond.Desired("Admitted", "True", "Binding", text),
+            cond.Desired("Placed", "False", "Binding", text),
+            cond.Desired("Ready", "False", "Binding", text),
+            failed_cond,
+        ])
+    if gang:
+        domains = sorted({node_domains[p.node] for p in current if p.node in node_domains})
+        where = f" in {spec.topology_key} {', '.join(domains)}" if domains else ""
+        admission = Admission(
+            admitted=True, reason="Placed",
+            message=admission.message if admission.admitted else f"all {spec.hosts} members bound by the gang scheduler{where}",
+            scheduler_name=admission.scheduler_name,
+        )
     if scheduled == spec.hosts:
         placed = cond.Desired("Placed", "True", "AllMembersScheduled", f"all {spec.hosts} members are bound to nodes")
     elif unschedulable:
         placed = cond.Desired("Placed", "False", "Unschedulable", f"pod {unschedulable[0].name}: {unschedulable[0].unschedulable}")
     else:
         placed = cond.Desired("Placed", "False", "MembersPending", f"{scheduled}/{spec.hosts} members scheduled")
-    failed_cond = cond.Desired("Failed", "False", "WithinRestartBudget", restart_text or "no restarts")
     admitted = cond.Desired("Admitted", "True", admission.reason, admission.message)
     if ready == spec.hosts:
         return finish("Ready", [admitted, placed, cond.Desired("Ready", "True", "AllMembersReady", f"{ready}/{spec.hosts} members ready"), failed_cond])

@@ -192,5 +192,6 @@ def test_unions_that_kubernetes_cannot_express_are_refused():
 
 def test_render_is_deterministic():
     assert crdgen.render_all() == crdgen.render_all()
-    assert set(crdgen.render_all()) == {"inferenceservices.tokenfleet.dev.yaml", "slices.tokenfleet.dev.yaml"}
+    assert set(crdgen.render_all()) == {
+        "inferenceservices.tokenfleet.dev.yaml", "slices.tokenfleet.dev.yaml", "slicequeues.tokenfleet.dev.yaml"}
     assert InferenceService.crd.scale and not Slice.crd.scale

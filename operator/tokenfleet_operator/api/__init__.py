@@ -7,11 +7,13 @@ objects it reads with them.
 from tokenfleet_operator.api.common import GROUP, VERSION, API_VERSION, Condition
 from tokenfleet_operator.api.inference_service import InferenceService, InferenceServiceSpec, InferenceServiceStatus
 from tokenfleet_operator.api.slice import Slice, SliceSpec, SliceStatus
+from tokenfleet_operator.api.slice_queue import SliceQueue, SliceQueueSpec, SliceQueueStatus
 
-RESOURCES = (InferenceService, Slice)
+RESOURCES = (InferenceService, Slice, SliceQueue)
 
 __all__ = [
     "GROUP", "VERSION", "API_VERSION", "Condition", "RESOURCES",
     "InferenceService", "InferenceServiceSpec", "InferenceServiceStatus",
     "Slice", "SliceSpec", "SliceStatus",
+    "SliceQueue", "SliceQueueSpec", "SliceQueueStatus",
 ]

@@ -175,14 +175,37 @@ class CheckpointStatus(ApiModel):
     restored_at: str | None = Field(default=None, description="When the gang last resumed from a checkpoint (RFC 3339).")
 
 
+class AdmissionStatus(ApiModel):
+    """How long the current attempt of the gang waited for the gang scheduler."""
+
+    queued_at: str | None = Field(
+        default=None, description="When the current attempt started waiting for admission (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    admitted_at: str | None = Field(
+        default=None, description="When every member of the current attempt was bound (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    wait_seconds: int | None = Field(
+        default=None, description="Seconds from queuedAt to admittedAt, or waited so far while still pending.", ge=0
+    )
+    requeues: int | None = Field(
+        default=None, description="Admission timeouts so far (each holds the Slice back before it queues again).", ge=0
+    )
+    requeue_at: str | None = Field(
+        default=None, description="While held back after an admission timeout: when the Slice queues again (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
 class SliceStatus(ApiModel):
     """Observed state of a Slice, written only by the operator."""
 
     phase: SlicePhase = Field(
         default="Pending",
         description=(
-            "Pending: waiting for admission. Admitted: placement found, pods not yet created. Placing: pods created, "
-            "not all ready. Ready: every member ready. Degraded: was Ready, a member is not ready. Restarting: the "
+            "Pending: waiting for admission (member pods exist but none is bound). Admitted: a placement was found and "
+            "the members are being bound. Placing: every member is bound, not all ready. Ready: every member ready. Degraded: was Ready, a member is not ready. Restarting: the "
             "gang was torn down after a failure and waits for backoff. Failed: restart budget exhausted or invalid spec."
         ),
     )
@@ -191,6 +214,9 @@ class SliceStatus(ApiModel):
         default=None,
         description="Where each member runs.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["member"]},
+    )
+    admission: AdmissionStatus | None = Field(
+        default=None, description="Admission wait of the current attempt (gang-scheduled Slices only)."
     )
     restarts: int = Field(default=0, description="Gang restarts since the spec last changed.", ge=0)
     last_restart: LastRestart | None = Field(default=None, description="The most recent gang restart.")

@@ -83,9 +83,12 @@ def member_pod(
     revision: str,
     node: str | None = None,
     restore_from: str | None = None,
+    scheduler_name: str | None = None,
 ) -> dict[str, Any]:
-    """The pod of one member. `node` binds it directly (a gang placer's decision);
-    without it the default scheduler places the pod."""
+    """The pod of one member. `node` binds it directly at creation. With
+    `scheduler_name` the pod is left unbound for that scheduler (the gang
+    scheduler binds all members at once through the Binding API); with neither,
+    the default scheduler places it, preferring one topology domain."""
     name = owner["metadata"]["name"]
     template_meta = spec.template.metadata
     labels = dict(template_meta.labels or {}) if template_meta else {}
@@ -109,6 +112,8 @@ def member_pod(
         pod_spec["nodeSelector"] = dict(pod_spec.get("nodeSelector", {})) | {ACCELERATOR_NODE_LABEL: spec.accelerator.type}
     if node:
         pod_spec["nodeName"] = node
+    elif scheduler_name:
+        pod_spec["schedulerName"] = scheduler_name
     elif spec.hosts > 1:
         _with_colocation(pod_spec, name, spec)
     metadata: dict[str, Any] = {

@@ -18,6 +18,7 @@ from typing import Any
 import kopf
 
 from tokenfleet_operator.api import GROUP, VERSION
+from tokenfleet_operator.gang_scheduler import GangScheduler
 from tokenfleet_operator.handlers.errors import InvalidSpec, RetryLater
 from tokenfleet_operator.handlers.runtime import Runtime
 from tokenfleet_operator.kube import KubeError
@@ -26,6 +27,13 @@ from tokenfleet_operator.naming import FINALIZER, SERVICE_LABEL, SLICE_LABEL
 log = logging.getLogger("tokenfleet.handlers")
 
 RUNTIME: Runtime | None = None
+# The gang scheduler, when the operator runs one: Slice and member-pod events ask it for a pass.
+SCHEDULER: GangScheduler | None = None
+
+
+def _poke_scheduler() -> None:
+    if SCHEDULER is not None:
+        SCHEDULER.poke()
 
 
 def _runtime() -> Runtime:
@@ -71,7 +79,15 @@ def inference_service_changed(body: kopf.Body, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, "slices")
 @kopf.on.update(GROUP, VERSION, "slices")
 def slice_changed(body: kopf.Body, **_: Any) -> None:
-    _run("Slice", body)
+    try:
+        _run("Slice", body)
+    finally:
+        _poke_scheduler()
+
+
+@kopf.on.delete(GROUP, VERSION, "slices", optional=True)
+def slice_deleted(**_: Any) -> None:
+    _poke_scheduler()  # its members are going: their capacity may admit a waiting Slice
 
 
 @kopf.on.event(GROUP, VERSION, "slices", labels={SERVICE_LABEL: kopf.PRESENT})
@@ -87,3 +103,4 @@ def router_deployment_event(body: kopf.Body, namespace: str, **_: Any) -> None:
 @kopf.on.event("", "v1", "pods", labels={SLICE_LABEL: kopf.PRESENT})
 def member_pod_event(body: kopf.Body, namespace: str, **_: Any) -> None:
     _runtime().reconcile_quietly("Slice", namespace, body["metadata"]["labels"][SLICE_LABEL])
+    _poke_scheduler()

@@ -27,6 +27,16 @@ def default_admission(obj: dict[str, Any], spec: SliceSpec, pods: list[PodView])
     return Admission()
 
 
+# The hook reconcile_slice uses when none is passed. `tokenfleet operator` sets it
+# to the gang scheduler's (GangScheduler.admission) at start-up.
+_ADMISSION: AdmitFn = default_admission
+
+
+def use_admission(admit: AdmitFn) -> None:
+    global _ADMISSION
+    _ADMISSION = admit
+
+
 def _node_domains(kube: Kube, pods: list[PodView], topology_key: str, cache: dict[str, str | None]) -> dict[str, str]:
     out = {}
     for node in {p.node for p in pods if p.node}:
@@ -38,7 +48,7 @@ def _node_domains(kube: Kube, pods: list[PodView], topology_key: str, cache: dic
     return out
 
 
-def reconcile_slice(kube: Kube, body: dict[str, Any], *, admit: AdmitFn = default_admission,
+def reconcile_slice(kube: Kube, body: dict[str, Any], *, admit: AdmitFn | None = None,
                     now: dt.datetime | None = None) -> float | None:
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
@@ -60,7 +70,7 @@ def reconcile_slice(kube: Kube, body: dict[str, Any], *, admit: AdmitFn = defaul
     plan = plan_slice(
         body, spec, pods,
         now=now or dt.datetime.now(dt.timezone.utc),
-        admission=admit(body, spec, pods),
+        admission=(admit or _ADMISSION)(body, spec, pods),
         node_domains=_node_domains(kube, pods, spec.topology_key, {}),
     )
     if plan.counts_restart:

@@ -1,0 +1,193 @@
+"""Kubernetes objects -> the placer's values, as pure functions.
+
+The gang scheduler lists Nodes, Pods, Slices and SliceQueues and hands them
+here; nothing in this module talks to the API server. Every function takes
+the plain dicts the API server returns.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.api.slice_queue import DEFAULT_QUEUE, SliceQueueSpec
+from tokenfleet_operator.conditions import parse_rfc3339
+from tokenfleet_operator.naming import ACCELERATOR_NODE_LABEL
+from tokenfleet_operator.placement import BoundPod, Node, Queue, SliceRequest, Taint, Toleration
+from tokenfleet_operator.placement.requeue import DEFAULT_BASE_SECONDS, DEFAULT_CAP_SECONDS, requeue_delay
+
+# The quota of the implicit default queue: no limit in practice.
+UNLIMITED = 10**12
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+def _extended_count(value: Any) -> int | None:
+    """An extended resource quantity as an integer; None for anything else ("500m", "1Gi")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    text = str(value).strip()
+    return int(text) if text.isdigit() else None
+
+
+def extended_resources(counts: dict[str, Any] | None) -> dict[str, int]:
+    """Keep the extended resources (names with a '/', e.g. nvidia.com/gpu) that are whole numbers."""
+    out = {}
+    for name, value in (counts or {}).items():
+        if "/" in name and not name.startswith("kubernetes.io/") and not name.startswith("hugepages-"):
+            count = _extended_count(value)
+            if count is not None:
+                out[name] = count
+    return out
+
+
+def node_from_object(obj: dict[str, Any]) -> Node:
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    taints = []
+    for t in spec.get("taints") or []:
+        if t.get("key") and t.get("effect") in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+            taints.append(Taint(t["key"], t.get("value") or "", t["effect"]))
+    return Node(
+        name=meta["name"],
+        allocatable=extended_resources(status.get("allocatable")),
+        labels=dict(meta.get("labels") or {}),
+        taints=tuple(taints),
+        ready=ready,
+        unschedulable=bool(spec.get("unschedulable")),
+    )
+
+
+def pod_requests(pod: dict[str, Any]) -> dict[str, int]:
+    """Extended resources a pod holds: per container, requests (or limits when no request), summed."""
+    total: dict[str, int] = {}
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        resources = c.get("resources") or {}
+        counts = extended_resources(resources.get("limits")) | extended_resources(resources.get("requests"))
+        for name, count in counts.items():
+            total[name] = total.get(name, 0) + count
+    return total
+
+
+def holds_capacity(pod: dict[str, Any]) -> bool:
+    """A pod bound to a node and not finished holds its requests there, terminating or not."""
+    return bool((pod.get("spec") or {}).get("nodeName")) and (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
+
+
+def bound_pod(pod: dict[str, Any], gang: str | None) -> BoundPod:
+    return BoundPod(node=pod["spec"]["nodeName"], requests=pod_requests(pod), gang=gang)
+
+
+def tolerations_of(pod_spec: dict[str, Any]) -> tuple[Toleration, ...]:
+    out = []
+    for t in pod_spec.get("tolerations") or []:
+        out.append(Toleration(key=t.get("key") or "", operator=t.get("operator") or "Equal",
+                              value=t.get("value") or "", effect=t.get("effect") or ""))
+    return tuple(out)
+
+
+def slice_key(obj: dict[str, Any]) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def slice_request(obj: dict[str, Any], spec: SliceSpec, created: float) -> SliceRequest:
+    """The placer's view of a Slice. Raises ValueError naming the field when the
+    template cannot be expressed (e.g. a malformed toleration)."""
+    pod_spec = spec.template.spec
+    selector = dict(pod_spec.get("nodeSelector") or {})
+    selector[ACCELERATOR_NODE_LABEL] = spec.accelerator.type
+    return SliceRequest(
+        key=slice_key(obj),
+        resource=spec.accelerator.resource_name,
+        per_host=spec.accelerator.count_per_host,
+        hosts=spec.hosts,
+        topology=spec.topology,
+        domain_label=spec.topology_key,
+        node_selector=selector,
+        tolerations=tolerations_of(pod_spec),
+        priority=spec.priority,
+        queue=spec.queue,
+        created=created,
+    )
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """A queue as the placer sees it, plus the shell's admission-timeout settings."""
+
+    queue: Queue
+    admission_timeout: float | None = None
+    requeue_base: float = DEFAULT_BASE_SECONDS
+    requeue_cap: float = DEFAULT_CAP_SECONDS
+    exists: bool = True  # False for the implicit default queue
+
+
+def queue_from_object(obj: dict[str, Any]) -> QueueConfig:
+    """A SliceQueue object -> QueueConfig. Raises ValueError naming the queue and field."""
+    name = obj["metadata"]["name"]
+    try:
+        spec = SliceQueueSpec.model_validate(obj.get("spec") or {})
+    except Exception as e:  # pydantic ValidationError
+        raise ValueError(f"SliceQueue {name}: invalid spec: {e}") from None
+    if spec.requeue.base_seconds > spec.requeue.max_seconds:
+        raise ValueError(f"SliceQueue {name}: spec.requeue.baseSeconds must not exceed maxSeconds")
+    return QueueConfig(
+        queue=Queue(name=name, quota=dict(spec.quota), strategy=spec.queueing_strategy, preemption=spec.preemption),
+        admission_timeout=float(spec.admission_timeout_seconds) if spec.admission_timeout_seconds else None,
+        requeue_base=float(spec.requeue.base_seconds),
+        requeue_cap=float(spec.requeue.max_seconds),
+    )
+
+
+def default_queue(resources: set[str]) -> QueueConfig:
+    """The implicit queue 'default' used when no SliceQueue of that name exists: no quota limit, no timeout."""
+    return QueueConfig(Queue(DEFAULT_QUEUE, {r: UNLIMITED for r in sorted(resources)}), exists=False)
+
+
+def timestamp(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return parse_rfc3339(text).timestamp()
+    except ValueError:
+        return None
+
+
+def to_rfc3339(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Where a waiting Slice stands on its admission-timeout schedule."""
+
+    requeues: int          # timeouts so far
+    queued_since: float    # start of the current wait: its place in the FIFO
+    held_until: float | None = None  # set while held back after a timeout
+
+
+def admission_timeline(queued_at: float, now: float, timeout: float | None,
+                       base: float = DEFAULT_BASE_SECONDS, cap: float = DEFAULT_CAP_SECONDS) -> Timeline:
+    """Replay the schedule wait `timeout`, hold back `requeue_delay(n)`, wait again, ...
+    from `queued_at` to `now`. It depends on nothing but these numbers, so the
+    scheduler needs to store no requeue state: every pass recomputes it."""
+    if timeout is None or now < queued_at + timeout:
+        return Timeline(0, queued_at)
+    start, n = queued_at, 0
+    while True:
+        if now < start + timeout:
+            return Timeline(n, start)
+        n += 1
+        delay = requeue_delay(n, base, cap)
+        if now < start + timeout + delay:
+            return Timeline(n, start, start + timeout + delay)
+        start += timeout + delay
+        if delay >= cap:  # every later period is timeout + cap long: jump over the whole ones
+            skip = math.floor((now - start) / (timeout + cap))
+            if skip > 0:
+                start += skip * (timeout + cap)
+                n += skip
