@@ -1,6 +1,12 @@
 """InferenceService -> one Slice per replica, a router Deployment, its
 ConfigMap, the router Service and a headless Service over the replicas'
 leader pods.
+
+The router ConfigMap has two keys: ``router.json`` (how to route; part of the
+router Deployment's config hash, so a change rolls the router) and
+``endpoints.json`` (the serving pods, from ``endpoints_config``; left out of
+the hash, so pods coming and going never roll the router, which re-reads the
+mounted file instead).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from tokenfleet_operator.naming import (
     ROUTER_PORT,
     SERVICE_LABEL,
     SERVING_PORT,
+    SLICE_LABEL,
     engines_service_name,
     owner_reference,
     revision_of,
@@ -30,6 +37,7 @@ from tokenfleet_operator.naming import (
 MODEL_MOUNT = "/models"
 ROUTER_CONFIG_MOUNT = "/etc/tokenfleet"
 ROUTER_CONFIG_KEY = "router.json"
+ENDPOINTS_KEY = "endpoints.json"
 CONFIG_HASH_ANNOTATION = "tokenfleet.dev/config-hash"
 
 
@@ -168,9 +176,10 @@ def slice_manifest(owner: dict[str, Any], spec: InferenceServiceSpec, index: int
 
 
 def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
-    """What the router needs to know: where the replicas are and how to choose one."""
+    """What the router needs to know: how to choose a replica (the replicas themselves are in endpoints.json)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     routing = spec.routing
+    _, _, model_dir = model_storage(spec)
     return {
         "service": name,
         "namespace": namespace,
@@ -183,11 +192,42 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
         "policy": routing.policy,
         "sessionAffinity": routing.session_affinity.to_wire(),
         "kvBlockSize": spec.engine.kv_block_size,
+        # The router loads the tokenizer from here to hash prompts into the engine's prefix blocks.
+        "modelPath": model_dir,
         "slo": spec.slo.to_wire(),
+        "price": {"perReplicaHour": hourly_cost(spec, 1), "currency": spec.price.currency},
     }
 
 
-def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def endpoints_config(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """endpoints.json: the serving pods the router may send requests to, sorted by pod name.
+
+    ``pods`` are the leader pods of the replicas (``serving_selector``). A pod
+    without an IP yet, or being deleted, is left out; ``ready`` is the pod's
+    Ready condition (the router polls the pod itself too)."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or meta.get("deletionTimestamp"):
+            continue
+        out.append({
+            "pod": meta["name"],
+            "slice": (meta.get("labels") or {}).get(SLICE_LABEL, ""),
+            "ip": ip,
+            "port": SERVING_PORT,
+            "ready": _pod_ready(pod),
+        })
+    return sorted(out, key=lambda e: e["pod"])
+
+
+def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec,
+                     endpoints: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     name = owner["metadata"]["name"]
     text = json.dumps(router_config(owner, spec), indent=2, sort_keys=True)
     return {
@@ -199,14 +239,15 @@ def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[
             "labels": common_labels(name) | {ROLE_LABEL: "router"},
             "ownerReferences": [owner_reference(owner)],
         },
-        "data": {ROUTER_CONFIG_KEY: text},
+        "data": {ROUTER_CONFIG_KEY: text, ENDPOINTS_KEY: json.dumps(endpoints or [], indent=2, sort_keys=True)},
     }
 
 
 def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     name = owner["metadata"]["name"]
     labels = common_labels(name) | {ROLE_LABEL: "router"}
-    config_hash = revision_of(router_config(owner, spec))
+    config_hash = revision_of(router_config(owner, spec))  # endpoints.json is deliberately not in it
+    volumes, model_mounts, _ = model_storage(spec)
     container: dict[str, Any] = {
         "name": "router",
         "image": spec.image,
@@ -219,7 +260,7 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 3),
-        "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}],
+        "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}, *model_mounts],
         "securityContext": {"allowPrivilegeEscalation": False},
     }
     if spec.routing.resources is not None and spec.routing.resources.to_wire():
@@ -240,7 +281,7 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
                 "metadata": {"labels": labels, "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
                 "spec": {
                     "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": router_name(name)}}],
+                    "volumes": [{"name": "config", "configMap": {"name": router_name(name)}}, *volumes],
                     "enableServiceLinks": False,
                 },
             },
@@ -299,13 +340,15 @@ class Children:
     others: tuple[dict[str, Any], ...]  # ConfigMap, Deployment, Services, in apply order
 
 
-def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec) -> Children:
+def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
+                     endpoints: list[dict[str, Any]] | None = None) -> Children:
+    """``endpoints`` is ``endpoints_config`` of the service's serving pods (the router ConfigMap carries it)."""
     name = owner["metadata"]["name"]
     return Children(
         revision=slice_revision(name, spec),
         slices=tuple(slice_manifest(owner, spec, i) for i in range(spec.replicas)),
         others=(
-            router_configmap(owner, spec),
+            router_configmap(owner, spec, endpoints),
             router_deployment(owner, spec),
             router_service(owner),
             engines_service(owner),

@@ -1,5 +1,13 @@
 """Reconcile one InferenceService: apply its children, roll its Slices,
-write its status."""
+write its status.
+
+Each pass also lists the replicas' serving (leader) pods and writes their
+addresses into the router ConfigMap's endpoints.json (server-side apply,
+which the API server treats as a no-op when nothing changed). Pod readiness
+reaches this pass through the Slice the pod belongs to (a member pod event
+reconciles its Slice, whose status change reconciles the service); while a
+serving pod is not ready, the pass also asks to run again in a few seconds.
+"""
 from __future__ import annotations
 
 import logging
@@ -11,7 +19,12 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
-from tokenfleet_operator.builders.inference_service import desired_children
+from tokenfleet_operator.builders.inference_service import (
+    desired_children,
+    endpoints_config,
+    selector_string,
+    serving_selector,
+)
 from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
 from tokenfleet_operator.handlers.errors import InvalidSpec, RetryLater
 from tokenfleet_operator.inference_service_status import compute_status, deployment_ready_replicas, invalid_status, slice_state
@@ -20,6 +33,8 @@ from tokenfleet_operator.naming import REVISION_LABEL, SERVICE_LABEL
 from tokenfleet_operator.validation import Problem, check_inference_service
 
 log = logging.getLogger("tokenfleet.inferenceservice")
+
+ENDPOINTS_RECHECK_SECONDS = 10.0
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -74,7 +89,9 @@ def reconcile_inference_service(kube: Kube, body: dict[str, Any]) -> float | Non
             _write_status(kube, body, invalid_status(owner, problem, old_status))
             raise RetryLater(str(problem), delay=15)
 
-    children = desired_children(owner, spec)
+    pods = kube.list("v1", "Pod", namespace, selector_string(serving_selector(name)))
+    endpoints = endpoints_config(pods)
+    children = desired_children(owner, spec, endpoints)
     applied: dict[str, dict[str, Any]] = {}
     for manifest in children.others:
         applied[manifest["kind"]] = kube.apply(manifest)
@@ -107,5 +124,11 @@ def reconcile_inference_service(kube: Kube, body: dict[str, Any]) -> float | Non
     metrics.SERVICE_READY_REPLICAS.labels(namespace=namespace, service=name).set(status["readyReplicas"])
     metrics.SERVICE_COST.labels(namespace=namespace, service=name).set(status["cost"]["dollarsPerHour"])
     # A rollout that is held back, or replicas that are still coming up, move on
-    # through Slice events; the resync loop is the safety net.
-    return 5.0 if plan.waiting else None
+    # through Slice events; the resync loop is the safety net. Serving pods that
+    # are not (yet) ready are looked at again soon, so the router learns about
+    # them without waiting for the resync.
+    if plan.waiting:
+        return 5.0
+    if any(not e["ready"] for e in endpoints) or len(endpoints) < spec.replicas:
+        return ENDPOINTS_RECHECK_SECONDS
+    return None
