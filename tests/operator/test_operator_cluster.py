@@ -48,6 +48,14 @@ def children(cluster, namespace, name="svc"):
     }
 
 
+def router_endpoints(cluster, namespace, name="svc"):
+    """(pod, ready) pairs of endpoints.json in the router ConfigMap; every entry must have an IP."""
+    cm = get_json(cluster, "configmap", f"{name}-router", "-n", namespace)
+    entries = json.loads(cm["data"]["endpoints.json"])
+    assert all(e["ip"] and e["port"] == 8000 for e in entries), entries
+    return sorted((e["pod"], e["ready"]) for e in entries)
+
+
 def expected(name, replicas, hosts=2):
     return {
         "slices": sorted(f"{name}-{i}" for i in range(replicas)),
@@ -62,6 +70,8 @@ def test_lifecycle_reconcile_scale_roll_delete(cluster, namespace, operator):
     apply(cluster, isvc("svc"), namespace)
     obj = wait_for("2 ready replicas", lambda: ready_with(cluster, namespace, "svc", 2), 120, operator)
     assert wait_for("exact children", lambda: children(cluster, namespace) == expected("svc", 2) or None, 30, operator)
+    leaders = [("svc-0-0", True), ("svc-1-0", True)]  # only leaders serve; members 1 are not routed to
+    wait_for("router endpoints", lambda: router_endpoints(cluster, namespace) == leaders, 30, operator)
     assert obj["status"]["url"] == f"http://svc.{namespace}.svc"
     assert obj["status"]["cost"]["dollarsPerHour"] == 2 * (2 * 2.0 + 0.5)
     assert {c["type"] for c in obj["status"]["conditions"]} >= {"Ready", "SlicesReady", "RouterReady", "Degraded"}
@@ -88,6 +98,8 @@ def test_lifecycle_reconcile_scale_roll_delete(cluster, namespace, operator):
     cluster.kubectl("scale", "inferenceservice/svc", "-n", namespace, "--replicas=3")
     wait_for("3 ready replicas", lambda: ready_with(cluster, namespace, "svc", 3), 120, operator)
     assert wait_for("3 replicas' children", lambda: children(cluster, namespace) == expected("svc", 3) or None, 30, operator)
+    three = [(f"svc-{i}-0", True) for i in range(3)]
+    wait_for("3 router endpoints", lambda: router_endpoints(cluster, namespace) == three, 30, operator)
     cluster.kubectl("patch", "inferenceservice/svc", "-n", namespace, "--type=merge", "-p", '{"spec":{"replicas":1}}')
     wait_for("1 ready replica", lambda: ready_with(cluster, namespace, "svc", 1), 120, operator)
     assert wait_for("1 replica's children", lambda: children(cluster, namespace) == expected("svc", 1) or None, 60, operator)
