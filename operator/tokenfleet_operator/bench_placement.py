@@ -19,6 +19,7 @@ min(free GPUs, GPUs requested) is reported too.
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import os
 import platform
@@ -183,19 +184,180 @@ def run(node_count: int, slice_count: int, block_size: int, per_node: int, seed:
     }
 
 
+# --cluster: Slice shapes (weight, hosts, per_host) on 8-GPU nodes in blocks of 8.
+CLUSTER_SHAPES = ((40, 1, 8), (30, 2, 8), (20, 4, 8), (10, 1, 4))
+
+
+def cluster_slices(count: int, namespace: str, image: str) -> list[dict]:
+    """`count` Slices cycling through CLUSTER_SHAPES by weight (deterministic)."""
+    cycle = [shape for weight, *shape in CLUSTER_SHAPES for _ in range(weight)]
+    out = []
+    for i in range(count):
+        hosts, per_host = cycle[(i * 37) % len(cycle)]
+        out.append({
+            "apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice",
+            "metadata": {"name": f"bench-{i:04d}", "namespace": namespace},
+            "spec": {
+                "accelerator": {"type": "nvidia-h100-80gb", "resourceName": RESOURCE, "countPerHost": per_host},
+                "hosts": hosts, "topologyKey": BLOCK_LABEL, "priority": (i % 3) * 100,
+                "template": {"spec": {"containers": [{"name": "main", "image": image}]}},
+            },
+        })
+    return out
+
+
+def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout: float,
+                log=lambda m: print(m, file=sys.stderr)) -> dict:
+    """Start a fresh local control plane with `node_count` KWOK nodes, run the
+    operator under its ServiceAccount, create `slice_count` Slices at once and
+    time how long until every one is Ready (members bound and faked Ready by KWOK)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from tokenfleet_localcluster.nodes import NodePool
+    from tokenfleet_localcluster.plane import LocalCluster
+
+    repo = Path(__file__).resolve().parents[2]
+    base = Path(workdir or tempfile.mkdtemp(prefix="tokenfleet-bench-"))
+    plane = LocalCluster(base / "plane", pools=[], tie_to_parent=True, log=log)
+    namespace, image = "bench", "example.invalid/fake-serving:1"
+    proc = None
+    started = time.monotonic()
+    try:
+        plane.up()
+        plane_seconds = time.monotonic() - started
+        t = time.monotonic()
+        plane.add_nodes([NodePool(count=node_count, per_node=8, nodes_per_block=8, prefix="bench")], timeout=600)
+        nodes_seconds = time.monotonic() - t
+        plane.kubectl("apply", "--server-side", "-k", str(repo / "manifests" / "base"))
+        for crd in ("slices", "slicequeues", "inferenceservices"):
+            plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}.tokenfleet.dev", "--timeout=60s")
+        plane.kubectl("create", "namespace", namespace)
+        kubeconfig = plane.sa_kubeconfig("tokenfleet-system", "tokenfleet-operator")
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        op_log = open(base / "operator.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet_cli", "operator", "-n", namespace,
+                                 "--metrics-port=0", "--health-port=0"],
+                                stdout=op_log, stderr=subprocess.STDOUT, env=env, cwd=repo)
+        time.sleep(5)  # let the operator start watching (not counted)
+        manifests = cluster_slices(slice_count, namespace, image)
+        requested = sum(m["spec"]["hosts"] * m["spec"]["accelerator"]["countPerHost"] for m in manifests)
+        t0, wall0 = time.monotonic(), time.time()
+        plane.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(m) for m in manifests))
+        applied = time.monotonic() - t0
+        all_bound_at = None
+        ready = bound = 0
+        waits: list[int] = []
+        while time.monotonic() - t0 < timeout:
+            out = plane.kubectl("get", "slices", "-n", namespace, "-o", "json", check=False)
+            if out.returncode == 0:
+                items = json.loads(out.stdout)["items"]
+                statuses = [i.get("status") or {} for i in items]
+                ready = sum(1 for st in statuses if st.get("phase") == "Ready")
+                bound = sum(1 for st in statuses if (st.get("admission") or {}).get("admittedAt"))
+                if bound == slice_count and all_bound_at is None:
+                    all_bound_at = time.monotonic() - t0
+                if ready == slice_count:
+                    waits = sorted(int((st.get("admission") or {}).get("waitSeconds", 0)) for st in statuses)
+                    break
+            time.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        # Every Slice's first SliceReady event: when each had been Ready at least once. On an
+        # overloaded machine KWOK can miss node heartbeats, so gangs can drop out of Ready again.
+        events = json.loads(plane.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=SliceReady",
+                                          "-o", "json").stdout)["items"]
+        first_ready: dict[str, float] = {}
+        for e in events:
+            name = e["involvedObject"]["name"]
+            stamp = e.get("firstTimestamp") or e.get("eventTime") or ""
+            when = calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) if stamp else None
+            if when is not None:
+                first_ready[name] = min(first_ready.get(name, when), when)
+        once = max(first_ready.values()) - wall0 if len(first_ready) == slice_count else None
+        not_ready_nodes = len(json.loads(plane.kubectl("get", "nodes", "-o", "json").stdout)["items"]) - len(plane.ready_nodes())
+        pods = json.loads(plane.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+        per_node: dict[str, int] = {}
+        for p in pods:
+            node = p["spec"].get("nodeName")
+            if node:
+                gpus = int(p["spec"]["containers"][0]["resources"]["requests"][RESOURCE])
+                per_node[node] = per_node.get(node, 0) + gpus
+        return {
+            "mode": "cluster",
+            "nodes": node_count,
+            "slices": slice_count,
+            "accelerators_requested": requested,
+            "accelerators_total": node_count * 8,
+            "ready": ready,
+            "all_ready": ready == slice_count,
+            "seconds_to_all_ready": round(elapsed, 2) if ready == slice_count else None,
+            "seconds_to_all_bound": round(all_bound_at, 2) if all_bound_at is not None else None,
+            "seconds_to_each_ready_once": round(once, 1) if once is not None else None,
+            "not_ready_nodes_at_end": not_ready_nodes,
+            "apply_seconds": round(applied, 2),
+            "admission_wait_seconds_p50": waits[len(waits) // 2] if waits else None,
+            "admission_wait_seconds_max": waits[-1] if waits else None,
+            "member_pods": len(pods),
+            "overcommitted_nodes": sum(1 for v in per_node.values() if v > 8),
+            "plane_start_seconds": round(plane_seconds, 1),
+            "add_nodes_seconds": round(nodes_seconds, 1),
+            "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                         "python": platform.python_version()},
+        }
+    finally:
+        if proc and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        plane.down()
+
+
+def main_cluster(args: argparse.Namespace) -> int:
+    result = run_cluster(args.nodes, args.slices, args.workdir, args.timeout)
+    rows = [(k, result[k]) for k in (
+        "nodes", "slices", "accelerators_requested", "accelerators_total", "ready", "seconds_to_all_bound",
+        "seconds_to_all_ready", "seconds_to_each_ready_once", "not_ready_nodes_at_end", "admission_wait_seconds_p50", "admission_wait_seconds_max", "member_pods",
+        "overcommitted_nodes", "plane_start_seconds", "add_nodes_seconds")] + [("cpu", result["hardware"]["cpu"])]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
+            out.write("\n")
+    return 0 if result["all_ready"] and result["overcommitted_nodes"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenfleet bench placement", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=10_000, help="number of nodes (default 10000)")
-    parser.add_argument("--slices", type=int, default=2_000, help="number of pending Slices (default 2000)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="real control plane: start a local plane with --nodes KWOK nodes (default 200), run the "
+                             "operator, create --slices Slices (default 100) and time until all are Ready")
+    parser.add_argument("--workdir", help="--cluster: directory for the plane and the operator log (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=600, help="--cluster: give up after this many seconds")
+    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default 10000; 200 with --cluster)")
+    parser.add_argument("--slices", type=int, default=None, help="number of pending Slices (default 2000; 100 with --cluster)")
     parser.add_argument("--block-size", type=int, default=32, help="nodes per topology block (default 32)")
     parser.add_argument("--per-node", type=int, default=8, help="accelerators per node (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster and queue")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the fastest is reported")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     args = parser.parse_args(argv)
+    if args.nodes is None:
+        args.nodes = 200 if args.cluster else 10_000
+    if args.slices is None:
+        args.slices = 100 if args.cluster else 2_000
     for name in ("nodes", "slices", "block_size", "per_node", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.cluster:
+        return main_cluster(args)
 
     result = run(args.nodes, args.slices, args.block_size, args.per_node, args.seed, args.repeat)
     rows = [

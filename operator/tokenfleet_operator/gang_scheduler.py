@@ -139,7 +139,12 @@ class GangScheduler:
             slices = [s for ns in self.namespaces for s in self.kube.list(API_VERSION, "Slice", ns)]
         else:
             slices = self.kube.list_cluster(API_VERSION, "Slice")
-        queues = self.kube.list_cluster(API_VERSION, "SliceQueue")
+        try:
+            queues = self.kube.list_cluster(API_VERSION, "SliceQueue")
+        except KubeError as e:
+            if e.status != 404:
+                raise
+            queues = []  # the SliceQueue CRD is not installed: only the implicit 'default' queue exists
         return nodes, pods, slices, queues
 
     def run_pass(self) -> PassPlan:
