@@ -157,6 +157,23 @@ def _map_paths(value: str, pairs: list[tuple[str, str]]) -> str:
     return value
 
 
+WILDCARDS = ("0.0.0.0", "::", "[::]")
+
+
+def bind_to_pod_ip(value: str, pod_ip: str) -> str:
+    """Every local pod shares the host's network, so a wildcard bind address
+    (``0.0.0.0``, ``--host=0.0.0.0``, ``0.0.0.0:8000``) becomes the pod's own
+    loopback IP: the stand-in for the pod's network namespace."""
+    head, sep, tail = value.rpartition("=")
+    target = tail if sep else value
+    for w in WILDCARDS:
+        if target == w:
+            target = pod_ip
+        elif target.startswith(w + ":") and target[len(w) + 1:].isdigit():
+            target = f"{pod_ip}:{target[len(w) + 1:]}"
+    return f"{head}={target}" if sep else target
+
+
 def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str, str], scratch: str,
                        image_prefix: str, lookup=None) -> list[ContainerLaunch]:
     """The processes the runner starts for ``pod``: one per container of our image.
@@ -193,7 +210,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
             else:
                 env[name] = ""
         argv = [expand(a, env) for a in (c.get("command") or ["tokenfleet"]) + (c.get("args") or [])]
-        argv = [_map_paths(a, pairs) for a in argv]
+        argv = [bind_to_pod_ip(_map_paths(a, pairs), pod_ip) for a in argv]
         if argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -157,6 +158,9 @@ class LocalCluster:
             raise PlaneError(f"a control plane is already running in {self.dir}; run 'tokenfleet cluster down --dir {self.dir}' first")
         t0 = time.monotonic()
         self.dir.mkdir(parents=True, exist_ok=True)
+        # A fresh plane every time: no objects or pod folders from an earlier run.
+        for stale in (self.dir / "etcd", self.dir / "logs"):
+            shutil.rmtree(stale, ignore_errors=True)
         bins = binaries.ensure_built()
         b = lambda n: str(bins / n)  # noqa: E731
         pki = create_pki(self.dir / "pki")
@@ -257,6 +261,13 @@ class LocalCluster:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
+
+    def start_process(self, name: str, cmd: list[str], env: dict | None = None) -> int:
+        """Start another process that belongs to this plane (e.g. the operator): 'down' stops it too."""
+        state = self.state()
+        if name in state["processes"] and pid_alive(state["processes"][name]["pid"]):
+            raise PlaneError(f"{name} is already running (pid {state['processes'][name]['pid']})")
+        return self._start(state, name, cmd, env).pid
 
     # ------------------------------------------------------------------ nodes
     def add_nodes(self, pools: list[NodePool], timeout: float = 120) -> list[str]:

@@ -99,3 +99,13 @@ def test_config_map_and_secret_volumes_become_local_file_folders():
     cfg, key = c.volumes
     assert (cfg.kind, cfg.source, cfg.dir, cfg.items, cfg.optional) == ("configmap", "router", "/tmp/scratch/volumes/cfg", (), False)
     assert (key.kind, key.source, key.items, key.optional) == ("secret", "api", (("k", "api-key"),), True)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("0.0.0.0", "127.2.0.9"), ("::", "127.2.0.9"), ("--host=0.0.0.0", "--host=127.2.0.9"),
+    ("0.0.0.0:8000", "127.2.0.9:8000"), ("--bind=[::]:80", "--bind=127.2.0.9:80"),
+    ("10.0.0.0", "10.0.0.0"), ("0.0.0.0.tar", "0.0.0.0.tar"), ("x=1", "x=1")])
+def test_wildcard_bind_addresses_become_the_pod_ip(arg, expected):
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["serve", arg]}])
+    (c,) = launch(p)
+    assert c.argv[1] == expected

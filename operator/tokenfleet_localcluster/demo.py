@@ -1,0 +1,203 @@
+"""``tokenfleet demo``: the whole product on one machine, end to end.
+
+1. a real local control plane with fake accelerator nodes (``plane.py``);
+2. tokenfleet's CRDs and RBAC from ``crds/`` and ``manifests/base``;
+3. the operator, running under its own ServiceAccount token;
+4. a small random-weight model generated on the spot (no downloads);
+5. an InferenceService for it: the operator creates Slices, the serving pods
+   run as local processes under the pod runner, the router in front of them;
+6. a chat completion streamed through the router, token by token;
+7. ``kubectl get`` of the InferenceService, its Slices and its pods.
+
+The plane keeps running afterwards so you can poke at it; the last lines say
+how to use it and how to stop it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from .binaries import REPO_ROOT
+from .nodes import NodePool
+from .plane import LocalCluster, PlaneError, free_port
+
+NAMESPACE = "demo"
+OPERATOR_NAMESPACE = "tokenfleet-system"
+OPERATOR_SA = "tokenfleet-operator"
+ROLE_LABEL = "tokenfleet.dev/role"
+SERVICE_LABEL = "tokenfleet.dev/inference-service"
+
+
+def say(msg: str) -> None:
+    print(f"\033[1m==> {msg}\033[0m", flush=True)
+
+
+def demo_inference_service(name: str, model_dir: Path) -> dict:
+    return {
+        "apiVersion": "tokenfleet.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"hostPath": {"path": str(model_dir)}, "servedModelNames": ["tiny-llama"]},
+            "replicas": 2,
+            "accelerator": {"type": "nvidia-h100-80gb", "resourceName": "nvidia.com/gpu", "countPerHost": 1,
+                            "hostsPerReplica": 1, "topology": "1"},
+            "engine": {"dtype": "float32", "maxModelLen": 1024, "kvBlockSize": 16, "maxNumSeqs": 16,
+                       "maxNumBatchedTokens": 512, "enablePrefixCaching": True},
+            "routing": {"policy": "prefix-aware"},
+            "slo": {"timeToFirstTokenMs": 1000, "timePerOutputTokenMs": 200},
+            "price": {"acceleratorPerHour": 2.5, "overheadPerHour": 0.4},
+            "image": "tokenfleet/serving:0.1.0",
+        },
+    }
+
+
+def _ready_pods(plane: LocalCluster, selector: str) -> list[dict]:
+    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json", check=False)
+    if out.returncode != 0:
+        return []
+    return [p for p in json.loads(out.stdout)["items"]
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+            and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+
+
+def _condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def wait_ready(plane: LocalCluster, name: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        out = plane.kubectl("get", "inferenceservice", name, "-n", NAMESPACE, "-o", "json", check=False)
+        if out.returncode == 0:
+            obj = json.loads(out.stdout)
+            ready = _condition(obj, "Ready")
+            line = f"Ready={ready.get('status', '?')} {ready.get('reason', '')}: {ready.get('message', '')}"
+            if line != last:
+                print(f"    {line}", flush=True)
+                last = line
+            if ready.get("status") == "True":
+                return obj
+        time.sleep(1)
+    raise PlaneError(f"InferenceService {name} not Ready after {timeout:.0f}s (last: {last})")
+
+
+def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int = 48) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0.8, "seed": 7, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    usage: dict = {}
+    t0 = time.monotonic()
+    ttft = None
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                if text and ttft is None:
+                    ttft = time.monotonic() - t0
+                print(text, end="", flush=True)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    print(flush=True)
+    usage["time_to_first_token_s"] = round(ttft or 0.0, 3)
+    usage["total_s"] = round(time.monotonic() - t0, 3)
+    return usage
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenfleet demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path(os.environ.get(
+        "TOKENFLEET_DEMO_DIR", Path.home() / ".cache" / "tokenfleet" / "demo")))
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for the service to be Ready")
+    ap.add_argument("--down", action="store_true", help="stop the plane at the end instead of leaving it running")
+    args = ap.parse_args(argv)
+
+    plane = LocalCluster(args.dir, pools=[NodePool(count=args.nodes, accelerator="gpu", per_node=8)],
+                         log=lambda m: print(f"    {m}", flush=True))
+    if any(True for _ in plane.state().get("processes", {})):
+        say(f"stopping the previous demo plane in {args.dir}")
+        plane.down()
+    t_start = time.monotonic()
+    try:
+        say("starting the local control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK, pod runner)")
+        plane.up()
+
+        say("generating a small random-weight Llama checkpoint (config.json + safetensors + tokenizer)")
+        from tokenfleet_serving.testing_models import create_random_checkpoint
+        model_dir = args.dir / "models" / "tiny-llama"
+        if not (model_dir / "config.json").exists():
+            create_random_checkpoint(model_dir, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                     intermediate_size=256, vocab_size=1024, max_position_embeddings=2048)
+        print(f"    {model_dir}")
+
+        say("installing tokenfleet: CRDs, namespace, ServiceAccount, least-privilege RBAC")
+        plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "manifests" / "base"))
+        for crd in ("inferenceservices.tokenfleet.dev", "slices.tokenfleet.dev"):
+            plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        # The operator runs below as a local process; no fake copy from the Deployment.
+        plane.kubectl("scale", "deployment", "-n", OPERATOR_NAMESPACE, "--all", "--replicas=0")
+
+        say("starting the operator under its own ServiceAccount token (RBAC enforced)")
+        kubeconfig = plane.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, duration_seconds=24 * 3600)
+        env = {"KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        plane.start_process("operator", [sys.executable, "-m", "tokenfleet_cli", "operator",
+                                         f"--metrics-port={free_port()}", f"--health-port={free_port()}"], env=env)
+
+        say("applying an InferenceService: 2 replicas, 1 GPU each, prefix-aware routing")
+        plane.kubectl("create", "namespace", NAMESPACE, check=False)
+        isvc = demo_inference_service("tiny-llama", model_dir)
+        plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(isvc))
+        wait_ready(plane, "tiny-llama", args.timeout)
+
+        routers = _ready_pods(plane, f"{SERVICE_LABEL}=tiny-llama,{ROLE_LABEL}=router")
+        if not routers:
+            raise PlaneError("the InferenceService is Ready but no router pod is")
+        base = f"http://{routers[0]['status']['podIP']}:8080"
+        prompt = "Explain in one sentence why prefix caching cuts the cost of a token."
+        for title in (f"streaming a chat completion through the router at {base}",
+                      "the same prompt again: the router sends it where its prefix is cached"):
+            say(title)
+            print(f"    user: {prompt}\n    assistant (random weights, so the words are noise): ", end="", flush=True)
+            usage = stream_chat(base, "tiny-llama", prompt)
+            print(f"    usage: {json.dumps(usage)}")
+
+        say("kubectl get inferenceservices,slices,pods -n demo")
+        for what in ("inferenceservices", "slices", "pods"):
+            args_ = ["get", what, "-n", NAMESPACE] + (["-o", "wide"] if what == "pods" else [])
+            print(plane.kubectl(*args_).stdout, flush=True)
+    except BaseException as e:
+        print(f"\ndemo failed: {e}\nlogs are in {plane.dir / 'logs'}", file=sys.stderr)
+        plane.down()
+        return 1
+    say(f"done in {time.monotonic() - t_start:.0f}s")
+    if args.down:
+        plane.down()
+        return 0
+    kubectl = Path(plane.state()["bin_dir"]) / "kubectl"
+    print(f"""
+The plane is still running. Try:
+    export KUBECONFIG={plane.kubeconfig}
+    {kubectl} get inferenceservices,slices -A
+    curl -N http://{routers[0]['status']['podIP']}:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{{"model":"tiny-llama","messages":[{{"role":"user","content":"hi"}}],"stream":true}}'
+Stop everything with:
+    tokenfleet cluster down --dir {plane.dir}""")
+    return 0
