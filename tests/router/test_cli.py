@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from router_harness import http, start_router, wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:

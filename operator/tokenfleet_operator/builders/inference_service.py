@@ -247,15 +247,18 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
     name = owner["metadata"]["name"]
     labels = common_labels(name) | {ROLE_LABEL: "router"}
     config_hash = revision_of(router_config(owner, spec))  # endpoints.json is deliberately not in it
-    volumes, model_mounts, _ = model_storage(spec)
+    volumes, model_mounts, model_dir = model_storage(spec)
     container: dict[str, Any] = {
         "name": "router",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
+        # --model repeats router.json's modelPath on the command line, where a
+        # runner that relocates mounts (the local pod runner) can rewrite it.
         "command": [
             "tokenfleet", "route",
             "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
             "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--model", model_dir,
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", "http", 5, 3),
