@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -168,8 +169,13 @@ class GangScheduler:
                 self.preempted[eviction.victim] = eviction.preemptor
                 self._delete_members(eviction.namespace, eviction.pods)
                 changed.add(eviction.victim)
-            for bind in plan.binds:
-                self._bind(bind, changed)
+            # The plan gives every Slice disjoint capacity, so Slices are bound in
+            # parallel (each one member by member, rolled back on any failure).
+            if len(plan.binds) == 1:
+                self._bind(plan.binds[0], changed)
+            elif plan.binds:
+                with ThreadPoolExecutor(max_workers=min(8, len(plan.binds)), thread_name_prefix="tokenfleet-bind") as pool:
+                    list(pool.map(lambda b: self._bind(b, changed), plan.binds))
             bound = time.perf_counter()
             for key, wait in plan.waiting.items():
                 outcome = Outcome(False, wait.code, wait.message, wait.requeues, wait.requeue_at)
