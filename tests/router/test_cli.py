@@ -45,3 +45,17 @@ def test_router_without_endpoints_or_tokenizer_is_alive_but_not_ready_and_stops_
         assert router.terminate() == 0
     finally:
         router.kill()
+
+
+def test_oversized_body_gets_an_openai_413(tmp_path):
+    cfg = tmp_path / "router.json"
+    cfg.write_text("{}")
+    (tmp_path / "endpoints.json").write_text("[]")
+    router = start_router(cfg, "--max-body-bytes", "1000")
+    try:
+        status, _, body = http("POST", f"{router.base_url}/v1/completions", {"model": "m", "prompt": "x" * 2000})
+        assert status == 413
+        assert json.loads(body)["error"] == {"message": "request body exceeds 1000 bytes", "type": "request_too_large",
+                                             "param": None, "code": 413}
+    finally:
+        router.kill()

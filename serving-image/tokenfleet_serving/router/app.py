@@ -70,6 +70,7 @@ class Router:
         self._endpoints_problem: str | None = None
         self._tasks: list[asyncio.Task] = []
         self.session: aiohttp.ClientSession | None = None
+        self.max_body_bytes = max_body_bytes
         self.app = self._build_app(max_body_bytes)
 
     def _build_app(self, max_body_bytes: int) -> web.Application:
@@ -141,7 +142,7 @@ class Router:
             if exc.status < 400:
                 raise
             message = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed "
-                       f"on {request.path}", 413: f"request body exceeds {request.app._client_max_size} bytes"}
+                       f"on {request.path}", 413: f"request body exceeds {self.max_body_bytes} bytes"}
             response = web.json_response(error_body(exc.status, message.get(exc.status, exc.reason)),
                                          status=exc.status)
         except asyncio.CancelledError:
