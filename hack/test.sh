@@ -7,7 +7,7 @@ cd "$root"
 bash hack/setup.sh
 start=$(date +%s)
 set +e
-python3 -m pytest -v -rfE --durations=25 "$@"
+"${PYTHON:-python3}" -m pytest -v -rfE --durations=25 "$@"
 rc=$?
 set -e
 echo "tests took $(( $(date +%s) - start ))s"
