@@ -1,4 +1,4 @@
-"""The router's torch-free prompt tokenization and block hashing agree with the engine and the server."""
+"""The router hashes and tokenizes prompts as the engine and the server do, without torch."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfleet_serving.router.prefix import block_hashes
-from tokenfleet_serving.router.prompt import PromptTokenizer, TokenizerError, normalize_messages, prompt_info
+from tokenfleet_serving.engine.tokenizer import load_tokenizer
+from tokenfleet_serving.router.prompt import prompt_info
 
 
 @settings(max_examples=200, deadline=None)
@@ -34,10 +35,12 @@ def test_block_hashes_spec_by_hand():
         block_hashes(ids, 0)
 
 
-def test_router_modules_do_not_import_torch():
+def test_router_modules_do_not_import_torch(tiny_model):
     code = ("import sys; import tokenfleet_serving.router.main, tokenfleet_serving.router.app; "
-            "print('torch' in sys.modules, 'tokenfleet_serving.engine' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+            "from tokenfleet_serving.router.main import load_tokenizer; load_tokenizer(sys.argv[1]); "
+            "print('torch' in sys.modules, 'tokenfleet_serving.engine.engine' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True,
+                         check=True).stdout.split()
     assert out == ["False", "False"]
 
 
@@ -52,12 +55,12 @@ PROMPTS = ["the cache of the prefix block", "x" * 300, "naïve 日本語 ☕", "
 
 
 def test_prompt_tokens_equal_the_servers(tiny_model):
-    from tokenfleet_serving.engine.loader import load_tokenizer
+    from tokenfleet_serving.engine.loader import load_checkpoint
     from tokenfleet_serving.server.chat import prompt_token_ids
     from tokenfleet_serving.server.protocol import parse_chat, parse_completion
 
-    server_tok = load_tokenizer(tiny_model)
-    router_tok = PromptTokenizer.from_directory(tiny_model)
+    server_tok = load_checkpoint(tiny_model).tokenizer   # what `tokenfleet serve` loads
+    router_tok = load_tokenizer(tiny_model)
     vocab = server_tok.vocab_size
     for messages in CHATS:
         body = {"model": "tiny", "messages": messages, "max_tokens": 5}
@@ -78,41 +81,36 @@ def test_prompt_tokens_equal_the_servers(tiny_model):
 def test_bos_is_added_as_the_server_adds_it(tiny_model, tmp_path):
     import shutil
 
-    from tokenfleet_serving.engine.loader import load_tokenizer
-
     d = tmp_path / "bos"
     shutil.copytree(tiny_model, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": True}))
-    router_ids = PromptTokenizer.from_directory(d).encode("hello world")
-    assert router_ids == load_tokenizer(d).encode("hello world")
-    assert router_ids[0] == load_tokenizer(d).token_id("<s>")
+    tok = load_tokenizer(d)
+    router_ids = prompt_info("completion", {"model": "m", "prompt": "hello world"}, tok).token_ids
+    assert router_ids[0] == tok.token_id("<s>")
+    assert list(router_ids[1:]) == load_tokenizer(tiny_model).encode("hello world")
 
 
 def test_requests_the_router_cannot_tokenize_are_routed_without_prefix(tiny_model):
-    tok = PromptTokenizer.from_directory(tiny_model)
+    tok = load_tokenizer(tiny_model)
     assert prompt_info("chat", {"messages": [{"role": "robot", "content": "x"}]}, tok).token_ids is None
     assert prompt_info("chat", {"messages": "hi"}, tok).token_ids is None
     assert prompt_info("completion", {"prompt": [1, -2]}, tok).token_ids is None
     assert prompt_info("completion", {"prompt": 7}, tok).token_ids is None
     assert prompt_info("completion", ["not", "an", "object"], tok).token_ids is None
     # without a tokenizer the length is estimated (4 characters a token), for difficulty routing
-    info = prompt_info("completion", {"prompt": "a" * 400, "max_tokens": 8}, None)
+    info = prompt_info("completion", {"model": "m", "prompt": "a" * 400, "max_tokens": 8}, None)
     assert (info.token_ids, info.num_tokens, info.max_tokens) == (None, 101, 8)
-    chat = prompt_info("chat", {"messages": [{"role": "user", "content": "b" * 40}], "max_completion_tokens": 9}, None)
+    chat = prompt_info("chat", {"model": "m", "messages": [{"role": "user", "content": "b" * 40}],
+                                "max_completion_tokens": 9}, None)
     assert (chat.token_ids, chat.num_tokens, chat.max_tokens) == (None, 11, 9)
 
 
-def test_normalize_messages_rejects_what_the_server_rejects():
-    assert normalize_messages([]) is None
-    assert normalize_messages([{"role": "user", "content": [{"type": "image_url"}]}]) is None
-    assert normalize_messages([{"role": "user", "content": 3}]) is None
-    assert normalize_messages([{"role": "assistant"}]) == [{"role": "assistant", "content": ""}]
+def test_a_missing_or_broken_tokenizer_leaves_the_router_without_prefixes(tmp_path, caplog):
+    from tokenfleet_serving.router.main import load_tokenizer as router_load
 
-
-def test_tokenizer_errors_name_the_file(tmp_path):
-    with pytest.raises(TokenizerError, match=r"tokenizer\.json: file not found"):
-        PromptTokenizer.from_directory(tmp_path)
+    assert router_load(str(tmp_path)) is None
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(TokenizerError, match=r"tokenizer\.json: cannot load tokenizer"):
-        PromptTokenizer.from_directory(tmp_path)
+    assert router_load(str(tmp_path)) is None
+    text = caplog.text
+    assert "tokenizer.json: file not found" in text and "tokenizer.json: cannot load tokenizer" in text

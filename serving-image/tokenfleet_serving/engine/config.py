@@ -5,8 +5,23 @@ Qwen2). Every rejection names the field that caused it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt or inconsistent."""
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
 
 
 class ConfigError(ValueError):

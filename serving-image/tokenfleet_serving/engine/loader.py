@@ -5,18 +5,13 @@ field) at fault.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import ConfigError, ModelConfig, parse_model_config
-from .tokenizer import Tokenizer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, corrupt or inconsistent."""
+from .config import CheckpointError, ConfigError, ModelConfig, parse_model_config, read_json
+from .tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -27,19 +22,10 @@ class Checkpoint:
     tokenizer: Tokenizer | None
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-
-
 def load_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / "config.json"
     try:
-        return parse_model_config(_read_json(path), source=str(path))
+        return parse_model_config(read_json(path), source=str(path))
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
 
@@ -71,7 +57,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
         files = [directory / name for name in sorted(set(weight_map.values()))]
@@ -106,43 +92,6 @@ def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype)
             raise CheckpointError(f"{directory}: tensor '{name}' has shape {tuple(weights[name].shape)}, "
                                   f"config.json implies {shape}")
     return weights
-
-
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
-
-    directory = Path(directory)
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        backend = Backend.from_file(str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot load tokenizer ({exc})") from exc
-    cfg_path = directory / "tokenizer_config.json"
-    cfg = _read_json(cfg_path) if cfg_path.exists() else {}
-
-    def token(name: str) -> str | None:
-        value = cfg.get(name)
-        if isinstance(value, dict):      # AddedToken serialized as an object
-            value = value.get("content")
-        if value is not None and not isinstance(value, str):
-            raise CheckpointError(f"{cfg_path}: field '{name}' must be a string")
-        return value
-
-    template = cfg.get("chat_template")
-    if isinstance(template, list):       # named templates: pick "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    jinja_file = directory / "chat_template.jinja"
-    if template is None and jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
-    if template is not None and not isinstance(template, str):
-        raise CheckpointError(f"{cfg_path}: field 'chat_template' must be a string")
-    special_ids = frozenset(k for k, t in backend.get_added_tokens_decoder().items() if t.special)
-    return Tokenizer(backend=backend, chat_template=template, bos_token=token("bos_token"),
-                     eos_token=token("eos_token"), add_bos_token=bool(cfg.get("add_bos_token", False)),
-                     special_token_ids=special_ids)
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,

@@ -6,7 +6,10 @@ tokenizer_config.json the engine needs (special tokens, chat template).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from .config import CheckpointError, read_json
 
 
 @dataclass
@@ -81,3 +84,40 @@ class IncrementalDetokenizer:
                 self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load tokenizer ({exc})") from exc
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = read_json(cfg_path) if cfg_path.exists() else {}
+
+    def token(name: str) -> str | None:
+        value = cfg.get(name)
+        if isinstance(value, dict):      # AddedToken serialized as an object
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{cfg_path}: field '{name}' must be a string")
+        return value
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):       # named templates: pick "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = directory / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{cfg_path}: field 'chat_template' must be a string")
+    special_ids = frozenset(k for k, t in backend.get_added_tokens_decoder().items() if t.special)
+    return Tokenizer(backend=backend, chat_template=template, bos_token=token("bos_token"),
+                     eos_token=token("eos_token"), add_bos_token=bool(cfg.get("add_bos_token", False)),
+                     special_token_ids=special_ids)

@@ -27,7 +27,8 @@ from tokenfleet_serving.router.config import ConfigError, RouterConfig, load_end
 from tokenfleet_serving.router.metrics import RouterMetrics
 from tokenfleet_serving.router.policy import SESSION, PolicyParams, RouteRequest, choose, choose_tier
 from tokenfleet_serving.router.prefix import block_hashes
-from tokenfleet_serving.router.prompt import PromptTokenizer, prompt_info
+from tokenfleet_serving.engine.tokenizer import Tokenizer
+from tokenfleet_serving.router.prompt import prompt_info
 from tokenfleet_serving.router.state import Fleet, poll_forever
 
 log = logging.getLogger("tokenfleet.router")
@@ -53,7 +54,7 @@ def error_response(status: int, message: str, *, retry_after: bool = False) -> w
 
 
 class Router:
-    def __init__(self, config: RouterConfig, endpoints_path: str | Path, tokenizer: PromptTokenizer | None, *,
+    def __init__(self, config: RouterConfig, endpoints_path: str | Path, tokenizer: Tokenizer | None, *,
                  poll_interval_s: float = 0.5, endpoints_interval_s: float = 1.0,
                  backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096):
         self.config = config

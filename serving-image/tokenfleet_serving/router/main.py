@@ -45,15 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_tokenizer(model_dir: str | None):
     """The prompt tokenizer, or None (with a warning) when there is none: routing then ignores prefixes."""
-    from tokenfleet_serving.router.prompt import PromptTokenizer, TokenizerError
+    from tokenfleet_serving.engine.config import CheckpointError
+    from tokenfleet_serving.engine.tokenizer import load_tokenizer as load
 
     if not model_dir:
         log.warning("no model directory (modelPath in router.json or --model): prefix-aware routing sees "
                     "only token-id prompts")
         return None
     try:
-        return PromptTokenizer.from_directory(model_dir)
-    except TokenizerError as exc:
+        return load(model_dir)
+    except CheckpointError as exc:
         log.warning("cannot load the tokenizer (%s): prefix-aware routing sees only token-id prompts", exc)
         return None
 

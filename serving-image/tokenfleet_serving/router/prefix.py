@@ -1,22 +1,15 @@
-"""Prefix-block hashes of a prompt, computed exactly as the engine computes them.
+"""Prefix-block hashes of a prompt, as hex strings.
 
-The engine's spec (docs/engine.md, ``engine/block_pool.py``)::
-
-    ROOT      = 32 zero bytes
-    hash(b_i) = sha256(hash(b_{i-1}) or ROOT || uint32_le(t_{iB}) || ... || uint32_le(t_{iB+B-1}))
-
-Only full blocks are hashed; digests are compared as lowercase hex, the form
-the serving server's ``/cache/blocks`` returns. This is a separate, torch-free
-implementation (importing ``tokenfleet_serving.engine`` pulls in torch); the
-tests check it against the engine's own function.
+The hash is the engine's own (``engine/block_pool.py``, spec in
+docs/engine.md): each full block's sha256 chained with its parent's. The
+serving server's ``/cache/blocks`` returns the same digests in hex.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 
-ROOT = bytes(32)
+from tokenfleet_serving.engine.block_pool import hash_prefix_blocks
+
 HASH_SCHEME = "sha256-chain-uint32le"
 
 
@@ -24,13 +17,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
     """Hex hashes of the full blocks of ``token_ids`` (at most ``max_blocks`` of them)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    count = len(token_ids) // block_size
     if max_blocks is not None:
-        count = min(count, max_blocks)
-    out = []
-    parent = ROOT
-    for i in range(count):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        parent = hashlib.sha256(parent + struct.pack(f"<{block_size}I", *block)).digest()
-        out.append(parent.hex())
-    return tuple(out)
+        token_ids = token_ids[:max_blocks * block_size]
+    return tuple(h.hex() for h in hash_prefix_blocks(token_ids, block_size))
