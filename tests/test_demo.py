@@ -17,6 +17,10 @@ def test_demo_streams_an_answer_and_shows_the_tables(tmp_path):
     assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
     usages = [json.loads(m) for m in re.findall(r"usage: (\{.*\})", out)]
     assert len(usages) == 2 and all(u["completion_tokens"] == 48 for u in usages)
+    # The router sent the repeated prompt to the replica that had cached its full prompt blocks.
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    block = 16
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[1]["prompt_tokens"] // block * block
     # kubectl get inferenceservices: the printer columns and a Ready service.
     assert re.search(r"NAME\s+MODEL\s+ACCELERATOR\s+DESIRED\s+READY", out)
     assert re.search(r"tiny-llama\s+tiny-llama\s+nvidia-h100-80gb\s+2\s+2", out)

@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             raise PlaneError("the InferenceService is Ready but no router pod is")
         base = f"http://{routers[0]['status']['podIP']}:8080"
         prompt = "Explain in one sentence why prefix caching cuts the cost of a token."
-        for title in (f"streaming a chat completion through the router at {base}",
-                      "the same prompt again: the router sends it where its prefix is cached"):
+        for i, title in enumerate((f"streaming a chat completion through the router at {base}",
+                                   "the same prompt again: the router sends it where its prefix is cached")):
+            if i:
+                time.sleep(1.0)  # the router polls the replicas' cached block hashes every 0.5 s
             say(title)
             print(f"    user: {prompt}\n    assistant (random weights, so the words are noise): ", end="", flush=True)
             usage = stream_chat(base, "tiny-llama", prompt)
