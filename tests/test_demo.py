@@ -23,7 +23,10 @@ def test_demo_streams_an_answer_and_shows_the_tables(tmp_path):
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[1]["prompt_tokens"] // block * block
     # kubectl get inferenceservices: the printer columns and a Ready service.
     assert re.search(r"NAME\s+MODEL\s+ACCELERATOR\s+DESIRED\s+READY", out)
-    assert re.search(r"tiny-llama\s+tiny-llama\s+nvidia-h100-80gb\s+2\s+2", out)
+    # ... with the cost per million tokens measured from the replicas' throughput ($/h, then $/MTok).
+    row = re.search(r"tiny-llama\s+tiny-llama\s+nvidia-h100-80gb\s+2\s+2\s+2\s+([\d.]+)\s+([\d.]+)\s+Serving", out)
+    assert row, out[-3000:]
+    assert float(row.group(1)) == 5.8 and float(row.group(2)) > 0
     assert re.search(r"tiny-llama-0\s+nvidia-h100-80gb\s+1\s+1\s+1\s+Ready", out)
     # Every pod of the demo ran on a KWOK node with a loopback pod IP.
     assert len(re.findall(r"Running\s+0\s+\S+\s+127\.2\.\d+\.\d+\s+kwok-gpu-\d", out)) == 3

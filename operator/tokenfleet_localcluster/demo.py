@@ -6,8 +6,11 @@
 4. a small random-weight model generated on the spot (no downloads);
 5. an InferenceService for it: the operator creates Slices, the serving pods
    run as local processes under the pod runner, the router in front of them;
-6. a chat completion streamed through the router, token by token;
-7. ``kubectl get`` of the InferenceService, its Slices and its pods.
+6. a chat completion streamed through the router, token by token, twice
+   (the second time from the prefix cache);
+7. the cost per million tokens the operator derives from the replicas'
+   measured throughput and the price in the spec;
+8. ``kubectl get`` of the InferenceService, its Slices and its pods.
 
 The plane keeps running afterwards so you can poke at it; the last lines say
 how to use it and how to stop it.
@@ -90,6 +93,19 @@ def wait_ready(plane: LocalCluster, name: str, timeout: float) -> dict:
     raise PlaneError(f"InferenceService {name} not Ready after {timeout:.0f}s (last: {last})")
 
 
+def wait_cost(plane: LocalCluster, name: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    cost: dict = {}
+    while time.monotonic() < deadline:
+        out = plane.kubectl("get", "inferenceservice", name, "-n", NAMESPACE, "-o", "json", check=False)
+        if out.returncode == 0:
+            cost = (json.loads(out.stdout).get("status") or {}).get("cost") or {}
+            if cost.get("costPerMillionTokens"):
+                return cost
+        time.sleep(1)
+    raise PlaneError(f"no measured cost per token in {name}'s status after {timeout:.0f}s (cost: {cost})")
+
+
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int = 48) -> dict:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0.8, "seed": 7, "stream": True,
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         say("starting the operator under its own ServiceAccount token (RBAC enforced)")
         kubeconfig = plane.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, duration_seconds=24 * 3600)
         env = {"KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
-        plane.start_process("operator", [sys.executable, "-m", "tokenfleet_cli", "operator",
+        plane.start_process("operator", [sys.executable, "-m", "tokenfleet_cli", "operator", "--resync-seconds=5",
                                          f"--metrics-port={free_port()}", f"--health-port={free_port()}"], env=env)
 
         say("applying an InferenceService: 2 replicas, 1 GPU each, prefix-aware routing")
@@ -180,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    user: {prompt}\n    assistant (random weights, so the words are noise): ", end="", flush=True)
             usage = stream_chat(base, "tiny-llama", prompt)
             print(f"    usage: {json.dumps(usage)}")
+
+        say("the operator turns the replicas' measured throughput into cost per token (status.cost)")
+        cost = wait_cost(plane, "tiny-llama", timeout=60)
+        print(f"    {json.dumps(cost)}")
 
         say("kubectl get inferenceservices,slices,pods -n demo")
         for what in ("inferenceservices", "slices", "pods"):

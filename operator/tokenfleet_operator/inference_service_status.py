@@ -8,6 +8,7 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.builders.inference_service import hourly_cost, selector_string, serving_selector, service_url
 from tokenfleet_operator.naming import REVISION_LABEL, slice_index
+from tokenfleet_operator.throughput import measured_cost
 from tokenfleet_operator.validation import Problem
 
 
@@ -50,6 +51,7 @@ def compute_status(
     router_ready: int,
     old_status: dict[str, Any] | None = None,
     now: str | None = None,
+    output_tokens_per_second: float | None = None,
 ) -> dict[str, Any]:
     old_status = old_status or {}
     now = now or cond.now_rfc3339()
@@ -104,6 +106,8 @@ def compute_status(
 
     cost = dict(old_status.get("cost") or {})
     cost["dollarsPerHour"] = hourly_cost(spec, len(mine))
+    cost.update(measured_cost(cost["dollarsPerHour"], output_tokens_per_second))
+    cost = {k: v for k, v in cost.items() if v is not None}
     status: dict[str, Any] = {
         "replicas": len(mine),
         "readyReplicas": ready,

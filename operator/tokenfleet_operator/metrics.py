@@ -20,6 +20,11 @@ SERVICE_COST = Gauge(
     "tokenfleet_inferenceservice_cost_dollars_per_hour", "Cost per hour of an InferenceService at its current size.",
     ["namespace", "service"],
 )
+SERVICE_COST_PER_MTOK = Gauge(
+    "tokenfleet_inferenceservice_cost_per_million_tokens",
+    "Dollars per million output tokens: dollars per hour over the output tokens per hour the replicas measured "
+    "over their last minute.", ["namespace", "service"],
+)
 
 # Gang scheduler.
 ADMISSION_WAIT = Histogram(

@@ -290,9 +290,13 @@ class CostStatus(ApiModel):
     dollars_per_hour: float | None = Field(
         default=None, description="Replicas * (accelerators per replica * acceleratorPerHour + overheadPerHour), in price.currency."
     )
-    tokens_per_hour: float | None = Field(default=None, description="Tokens served in the last hour (filled from metrics).")
+    tokens_per_hour: float | None = Field(
+        default=None,
+        description="Output tokens per hour of the ready replicas, at the rate they measured over their last minute "
+        "(tokenfleet:output_tokens_per_second on each replica's /metrics).",
+    )
     cost_per_million_tokens: float | None = Field(
-        default=None, description="dollarsPerHour / tokensPerHour * 1e6 (filled from metrics)."
+        default=None, description="dollarsPerHour / tokensPerHour * 1e6; absent while no tokens are being served."
     )
 
 

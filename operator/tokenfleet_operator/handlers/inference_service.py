@@ -29,6 +29,7 @@ from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
 from tokenfleet_operator.handlers.errors import InvalidSpec, RetryLater
 from tokenfleet_operator.inference_service_status import compute_status, deployment_ready_replicas, invalid_status, slice_state
 from tokenfleet_operator.kube import Kube
+from tokenfleet_operator.throughput import scrape_output_tokens_per_second
 from tokenfleet_operator.naming import REVISION_LABEL, SERVICE_LABEL
 from tokenfleet_operator.validation import Problem, check_inference_service
 
@@ -119,10 +120,14 @@ def reconcile_inference_service(kube: Kube, body: dict[str, Any]) -> float | Non
     status = compute_status(
         owner, spec, children.revision, [slice_state(s) for s in states.values()],
         deployment_ready_replicas(applied.get("Deployment")), old_status=old_status,
+        output_tokens_per_second=scrape_output_tokens_per_second(endpoints),
     )
     _write_status(kube, body, status)
     metrics.SERVICE_READY_REPLICAS.labels(namespace=namespace, service=name).set(status["readyReplicas"])
     metrics.SERVICE_COST.labels(namespace=namespace, service=name).set(status["cost"]["dollarsPerHour"])
+    if "costPerMillionTokens" in status["cost"]:
+        metrics.SERVICE_COST_PER_MTOK.labels(namespace=namespace, service=name).set(
+            status["cost"]["costPerMillionTokens"])
     # A rollout that is held back, or replicas that are still coming up, move on
     # through Slice events; the resync loop is the safety net. Serving pods that
     # are not (yet) ready are looked at again soon, so the router learns about
