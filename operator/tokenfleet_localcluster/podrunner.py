@@ -13,6 +13,7 @@ Run as ``python -m tokenfleet_localcluster.podrunner --kubeconfig K``.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
 import ipaddress
 import logging
@@ -134,22 +135,13 @@ class PodRunner:
 
     # ----------------------------------------------------------------- start
     def _lookup(self, kind: str, ns: str, name: str, key: str) -> str | None:
-        try:
-            if kind == "configmap":
-                return (self.api.read_namespaced_config_map(name, ns).data or {}).get(key)
-            import base64
-            data = (self.api.read_namespaced_secret(name, ns).data or {}).get(key)
-            return None if data is None else base64.b64decode(data).decode()
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        """One key of a ConfigMap or Secret (env valueFrom), or None if either is missing."""
+        return (self._source_data(kind, ns, name) or {}).get(key)
 
     def _source_data(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
         try:
             if kind == "configmap":
                 return self.api.read_namespaced_config_map(name, namespace).data or {}
-            import base64
             raw = self.api.read_namespaced_secret(name, namespace).data or {}
             return {k: base64.b64decode(b).decode(errors="replace") for k, b in raw.items()}
         except ApiException as e:

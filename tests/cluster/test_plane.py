@@ -259,18 +259,20 @@ def test_pod_security_admission_is_enforced(cluster, namespace):
     assert out.returncode != 0 and "violates PodSecurity" in out.stderr, out.stderr
 
 
-def test_pod_runner_materialises_and_refreshes_config_map_volumes(cluster, namespace):
+def test_pod_runner_materialises_config_map_volumes_and_env(cluster, namespace):
     cluster.kubectl("create", "configmap", "cfg", "-n", namespace, "--from-literal=msg=first")
     code = ("import http.server, os\n"
             "class H(http.server.BaseHTTPRequestHandler):\n"
             "    def do_GET(self):\n"
-            "        b = open(os.environ['MSG_FILE']).read().encode()\n"
+            "        b = (open(os.environ['MSG_FILE']).read() + '|' + os.environ['GREETING']).encode()\n"
             "        self.send_response(200); self.end_headers(); self.wfile.write(b)\n"
             "http.server.HTTPServer((os.environ['POD_IP'], 8080), H).serve_forever()\n")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cfgreader"},
            "spec": {"terminationGracePeriodSeconds": 1,
                     "containers": [{"name": "c", "image": "tokenfleet/serving:test", "command": ["python3", "-c", code],
-                                    "env": [{"name": "MSG_FILE", "value": "/etc/cfg/msg"}],
+                                    "env": [{"name": "MSG_FILE", "value": "/etc/cfg/msg"},
+                                            {"name": "GREETING",
+                                             "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "msg"}}}],
                                     "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}],
                                     "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}],
                     "volumes": [{"name": "cfg", "configMap": {"name": "cfg"}}]}}
@@ -285,6 +287,7 @@ def test_pod_runner_materialises_and_refreshes_config_map_volumes(cluster, names
     def served():
         with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as r:
             return r.read().decode()
-    assert served() == "first"
+    assert served() == "first|first"
     cluster.kubectl("patch", "configmap", "cfg", "-n", namespace, "-p", '{"data":{"msg":"second"}}')
-    wait_for(lambda: served() == "second", 20, what="the refreshed file")
+    # Files follow the ConfigMap; environment variables keep the value the container started with.
+    wait_for(lambda: served() == "second|first", 20, what="the refreshed file")
