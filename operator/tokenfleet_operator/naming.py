@@ -75,3 +75,13 @@ def owner_reference(obj: dict[str, Any], *, controller: bool = True) -> dict[str
         "controller": controller,
         "blockOwnerDeletion": True,
     }
+
+
+def child_metadata(owner: dict[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """metadata of a child object: in its owner's namespace, owned by it (garbage-collected with it)."""
+    return {
+        "name": name,
+        "namespace": owner["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }

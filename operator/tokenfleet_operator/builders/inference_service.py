@@ -27,8 +27,8 @@ from tokenfleet_operator.naming import (
     SERVICE_LABEL,
     SERVING_PORT,
     SLICE_LABEL,
+    child_metadata,
     engines_service_name,
-    owner_reference,
     revision_of,
     router_name,
     slice_name,
@@ -165,12 +165,7 @@ def slice_manifest(owner: dict[str, Any], spec: InferenceServiceSpec, index: int
     return {
         "apiVersion": API_VERSION,
         "kind": "Slice",
-        "metadata": {
-            "name": slice_name(name, index),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": labels,
-            "ownerReferences": [owner_reference(owner)],
-        },
+        "metadata": child_metadata(owner, slice_name(name, index), labels),
         "spec": body,
     }
 
@@ -233,12 +228,7 @@ def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec,
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": router_name(name),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": common_labels(name) | {ROLE_LABEL: "router"},
-            "ownerReferences": [owner_reference(owner)],
-        },
+        "metadata": child_metadata(owner, router_name(name), common_labels(name) | {ROLE_LABEL: "router"}),
         "data": {ROUTER_CONFIG_KEY: text, ENDPOINTS_KEY: json.dumps(endpoints or [], indent=2, sort_keys=True)},
     }
 
@@ -271,12 +261,7 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": router_name(name),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": labels,
-            "ownerReferences": [owner_reference(owner)],
-        },
+        "metadata": child_metadata(owner, router_name(name), labels),
         "spec": {
             "replicas": spec.routing.replicas,
             "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: "router"}},
@@ -297,12 +282,7 @@ def router_service(owner: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": owner["metadata"]["namespace"],
-            "labels": common_labels(name) | {ROLE_LABEL: "router"},
-            "ownerReferences": [owner_reference(owner)],
-        },
+        "metadata": child_metadata(owner, name, common_labels(name) | {ROLE_LABEL: "router"}),
         "spec": {
             "type": "ClusterIP",
             "selector": {SERVICE_LABEL: name, ROLE_LABEL: "router"},
@@ -316,12 +296,7 @@ def engines_service(owner: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": engines_service_name(name),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": common_labels(name) | {ROLE_LABEL: "serve"},
-            "ownerReferences": [owner_reference(owner)],
-        },
+        "metadata": child_metadata(owner, engines_service_name(name), common_labels(name) | {ROLE_LABEL: "serve"}),
         "spec": {
             "clusterIP": "None",
             "selector": serving_selector(name),

@@ -22,8 +22,8 @@ from tokenfleet_operator.naming import (
     REVISION_LABEL,
     ROLE_LABEL,
     SLICE_LABEL,
+    child_metadata,
     member_pod_name,
-    owner_reference,
 )
 
 
@@ -116,12 +116,7 @@ def member_pod(
         pod_spec["schedulerName"] = scheduler_name
     elif spec.hosts > 1:
         _with_colocation(pod_spec, name, spec)
-    metadata: dict[str, Any] = {
-        "name": member_pod_name(name, member),
-        "namespace": owner["metadata"]["namespace"],
-        "labels": labels,
-        "ownerReferences": [owner_reference(owner)],
-    }
+    metadata = child_metadata(owner, member_pod_name(name, member), labels)
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
