@@ -318,19 +318,24 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
         plane.down()
 
 
+def report(rows: list[tuple[str, object]], result: dict, json_path: str | None) -> None:
+    """Print the table and, if asked, write the full result as JSON."""
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
+            out.write("\n")
+
+
 def main_cluster(args: argparse.Namespace) -> int:
     result = run_cluster(args.nodes, args.slices, args.workdir, args.timeout)
     rows = [(k, result[k]) for k in (
         "nodes", "slices", "accelerators_requested", "accelerators_total", "ready", "seconds_to_all_bound",
         "seconds_to_all_ready", "seconds_to_each_ready_once", "not_ready_nodes_at_end", "admission_wait_seconds_p50", "admission_wait_seconds_max", "member_pods",
         "overcommitted_nodes", "plane_start_seconds", "add_nodes_seconds")] + [("cpu", result["hardware"]["cpu"])]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
-            out.write("\n")
+    report(rows, result, args.json)
     return 0 if result["all_ready"] and result["overcommitted_nodes"] == 0 else 1
 
 
@@ -374,13 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         ("used / upper bound", f"{result['accelerators_used'] / max(result['upper_bound_accelerators'], 1):.3f}"),
         ("cpu", result["hardware"]["cpu"]),
     ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
-            out.write("\n")
+    report(rows, result, args.json)
     return 0
 
 
