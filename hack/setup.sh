@@ -7,12 +7,20 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 say() { echo "setup: $*"; }
 
-# No Debian package is needed beyond what the machine image has (Python 3.11
-# with pip, Go >= 1.24); certificates are made with the 'cryptography' package.
+# Debian packages: only gcc (installed below when missing) beyond what the machine image has
+# (Python 3.11 with pip, Go >= 1.24); certificates are made with the 'cryptography' package.
 if ! command -v go >/dev/null; then
   [ -x /usr/local/go/bin/go ] && export PATH=/usr/local/go/bin:$PATH
 fi
 command -v go >/dev/null || { echo "setup: Go >= 1.24 is required to build the control plane (found none)" >&2; exit 1; }
+
+# The serving engine compiles its CPU kernels with the system C compiler on first use.
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+  command -v apt-get >/dev/null || { echo "setup: a C compiler (gcc) is required" >&2; exit 1; }
+  sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
+  say "installing gcc"
+  $sudo apt-get install -y -q gcc || { $sudo apt-get update -q && $sudo apt-get install -y -q gcc; }
+fi
 
 PY=${PYTHON:-python3}
 # (Re)install when anything is missing, when the installed tokenfleet is

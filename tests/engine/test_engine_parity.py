@@ -36,9 +36,11 @@ def test_single_request_greedy_matches_transformers(name, checkpoints, hf_models
         assert out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
-def test_batched_greedy_matches_transformers(name, checkpoints, hf_models):
-    eng = engine(checkpoints[name])
+def test_batched_greedy_matches_transformers(name, kernels, checkpoints, hf_models):
+    eng = engine(checkpoints[name], cpu_kernels=kernels)
+    assert (eng.model.kernels is not None) == kernels
     batch = prompts(1, 8)
     outs = eng.generate(batch, GREEDY)
     for prompt, out in zip(batch, outs):
@@ -88,11 +90,14 @@ def test_preemption_keeps_greedy_parity(llama_dir, hf_models, prefix_caching):
     assert eng.kv.pool.num_free == 24
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
 @pytest.mark.parametrize("long_chunk", [512, 2], ids=["padded-groups", "sdpa-spans"])
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
-def test_logits_match_transformers_on_every_attention_path(name, long_chunk, checkpoints, hf_models, monkeypatch):
+def test_logits_match_transformers_on_every_attention_path(name, long_chunk, kernels, checkpoints, hf_models,
+                                                           monkeypatch):
     monkeypatch.setattr(batch_module, "LONG_CHUNK", long_chunk)   # chunks >= LONG_CHUNK take the SDPA path
-    eng = engine(checkpoints[name])
+    eng = engine(checkpoints[name], cpu_kernels=kernels)
+    assert (eng.model.kernels is not None) == kernels
     model, bs = eng.model, eng.kv.block_size
     prompt = prompts(5, 1, 30, 31)[0]
     with torch.inference_mode():

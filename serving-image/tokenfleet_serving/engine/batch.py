@@ -36,6 +36,8 @@ class PagedGroup:
     valid: torch.Tensor | None       # padded positions that are real queries
     block_ids: torch.Tensor          # [num_seqs * blocks] padded block tables
     mask: torch.Tensor               # [num_seqs, 1, q_len, keys] additive (0 / -inf)
+    context_lens: torch.Tensor       # [num_seqs] keys each sequence attends (its new tokens included)
+    max_context: int
 
 
 @dataclass
@@ -80,7 +82,8 @@ def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, 
         out_rows = torch.from_numpy(rows[valid]).to(device)
         valid_t = torch.from_numpy(np.flatnonzero(valid)).to(device)
     return PagedGroup(len(chunks), q_len, q_rows, out_rows, valid_t,
-                      torch.from_numpy(tables.reshape(-1)).to(device), torch.from_numpy(mask).to(device))
+                      torch.from_numpy(tables.reshape(-1)).to(device), torch.from_numpy(mask).to(device),
+                      torch.from_numpy(ctx).to(device), int(ctx.max()))
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> StepBatch:

@@ -71,6 +71,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     load_tokenizer: bool = True
+    cpu_kernels: bool = True            # compiled CPU decode attention (cpu_kernels.py); False: PyTorch only
 
 
 @dataclass
@@ -101,7 +102,8 @@ class LLMEngine:
         ckpt = load_checkpoint(config.model, dtype=self.dtype, with_tokenizer=config.load_tokenizer)
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
         self.max_model_len = min(config.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
-        self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len)
+        self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len,
+                                use_kernels=config.cpu_kernels)
         del ckpt
         if config.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {config.block_size}")

@@ -1,0 +1,166 @@
+"""The engine's CPU fast paths against their plain PyTorch definitions.
+
+* the compiled paged decode-attention kernel (csrc/paged_attention.c) vs scaled_dot_product_attention over
+  keys gathered from the same scattered blocks;
+* its build cache and its fallbacks (switched off, no compiler, broken source);
+* the oneDNN-packed Linear vs F.linear, and the bound on the row counts it hands to oneDNN.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenfleet_serving.engine import cpu_kernels
+from tokenfleet_serving.engine.model import Linear
+
+
+def reference_decode_attention(q, k_layer, v_layer, tables, lens, scale):
+    """Per sequence: gather its blocks, cut to its length, attend with SDPA (GQA by repeating kv heads)."""
+    heads, kv_heads = q.shape[1], k_layer.shape[0]
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        keys = k_layer[:, tables[s]].reshape(kv_heads, -1, k_layer.shape[-1])[:, :n]
+        vals = v_layer[:, tables[s]].reshape(kv_heads, -1, v_layer.shape[-1])[:, :n]
+        keys = keys.repeat_interleave(heads // kv_heads, 0)
+        vals = vals.repeat_interleave(heads // kv_heads, 0)
+        o = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys, vals, scale=scale)     # [H, 1, hd]
+        out.append(o.reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_kernels.load()
+    assert lib is not None, "the C kernels did not build (is gcc installed? hack/setup.sh installs it)"
+    return lib
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (4, 1), (6, 6)])
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, head_dim, block_size):
+    rng = random.Random(heads * 1000 + head_dim * 10 + block_size)
+    torch.manual_seed(rng.randrange(1 << 30))
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, rng.randrange(1, 200), 97]
+    width = max(-(-n // block_size) for n in lens) + 1                 # tables are padded past each length
+    num_blocks = len(lens) * width + 5
+    k_layer = torch.randn(kv_heads, num_blocks, block_size, head_dim)
+    v_layer = torch.randn(kv_heads, num_blocks, block_size, head_dim)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)                                                   # scattered, not in order
+    tables = torch.tensor(ids[:len(lens) * width]).view(len(lens), width)
+    lens_t = torch.tensor(lens)
+    # queries as the model has them: a view into [T, heads + kv_heads, hd] rows (strided)
+    qk = torch.randn(len(lens) + 2, heads + kv_heads, head_dim)
+    q = qk[:len(lens), :heads]
+    out = torch.full((len(lens) + 2, heads * head_dim), float("nan"))
+    scale = head_dim ** -0.5
+    cpu_kernels.paged_decode_attention(lib, q, k_layer, v_layer, tables, lens_t, max(lens), out, scale)
+    ref = reference_decode_attention(q, k_layer, v_layer, tables, lens_t, scale)
+    assert (out[:len(lens)] - ref).abs().max() < 1e-5
+    assert out[len(lens):].isnan().all()                               # rows past the sequences untouched
+
+
+def test_decode_kernel_softmax_is_stable_for_large_scores(lib):
+    # scores of +-1e4 overflow a naive exp; the kernel subtracts the row maximum first
+    k_layer = torch.zeros(1, 2, 4, 8)
+    v_layer = torch.arange(64, dtype=torch.float32).view(1, 2, 4, 8)
+    k_layer[0, 1, 1, 0] = 1.0                                         # key 5 of the sequence below
+    q = torch.zeros(1, 1, 8)
+    q[0, 0, 0] = 1e4
+    out = torch.empty(1, 8)
+    cpu_kernels.paged_decode_attention(lib, q, k_layer, v_layer, torch.tensor([[0, 1]]), torch.tensor([7]), 7,
+                                       out, 1.0)
+    assert torch.equal(out[0], v_layer[0, 1, 1])                     # all weight on key 5, no NaN
+
+
+def test_kernel_library_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = cpu_kernels.build()
+    assert first.parent == tmp_path / "cache" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp    # not rebuilt
+    changed = tmp_path / "paged_attention.c"
+    changed.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
+    second = cpu_kernels.build()
+    assert second != first and second.exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([first.name, second.name])
+
+
+def test_broken_source_or_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int tf_paged_decode_attention( {\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="compiling broken.c failed"):
+        cpu_kernels.build()
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.c"]        # no half-written library left
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="no C compiler"):
+        cpu_kernels.build()
+
+
+def test_load_falls_back_to_pytorch_when_switched_off_or_unbuildable(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("TOKENFLEET_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is None
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.delenv("TOKENFLEET_CPU_KERNELS")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load() is None
+    assert "using the PyTorch attention path" in caplog.text and "/nonexistent/cc" in caplog.text
+
+
+def test_engine_without_kernels_uses_the_pytorch_path(llama_dir, monkeypatch):
+    from tokenfleet_serving.engine import LLMEngine, SamplingParams
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("TOKENFLEET_CPU_KERNELS", "0")
+    off = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.delenv("TOKENFLEET_CPU_KERNELS")
+    on = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    assert off.model.kernels is None and on.model.kernels is not None
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 9, 11 + 2 * i] * (i + 1) for i in range(6)]
+    assert [o.new_token_ids for o in off.generate(prompts, params)] == \
+           [o.new_token_ids for o in on.generate(prompts, params)]
+
+
+# ---- Linear ------------------------------------------------------------------------
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "aten"])
+def test_linear_matches_f_linear_for_any_row_count(packed):
+    if packed and not torch.backends.mkldnn.is_available():
+        pytest.fail("this torch build has no oneDNN: the CPU fast path cannot run")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    lin, lin_nobias = Linear(weight, bias, packed), Linear(weight, None, packed)
+    for rows in [1, 3, 8, 9, 63, 64, 255, 256, 257, 511, 700]:
+        x = torch.randn(rows, 80)[:, ::2]                             # a strided input too
+        assert lin(x).shape == (rows, 96)
+        assert (lin(x) - F.linear(x, weight, bias)).abs().max() < 1e-4
+        assert (lin_nobias(x) - F.linear(x, weight)).abs().max() < 1e-4
+
+
+def test_linear_hands_onednn_at_most_32_row_counts(monkeypatch):
+    """oneDNN compiles and keeps a primitive per input shape; the padding and pieces bound them."""
+    seen = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    lin = Linear(torch.randn(16, 8), None, True)
+    for rows in range(1, 3000):
+        lin(torch.randn(rows, 8))
+    assert seen == set(range(8, Linear.ROW_CHUNK + 1, 8))
