@@ -107,7 +107,16 @@ def test_broken_source_or_missing_compiler_is_a_clear_error(tmp_path, monkeypatc
         cpu_kernels.build()
 
 
-def test_load_falls_back_to_pytorch_when_switched_off_or_unbuildable(monkeypatch, caplog):
+def test_a_prebuilt_library_needs_no_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))
+    built = cpu_kernels.build()                         # as the image's build stage does
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert cpu_kernels.build() == built                 # as the compiler-less final image does
+
+
+def test_load_falls_back_to_pytorch_when_switched_off_or_unbuildable(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))          # nothing prebuilt here
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("TOKENFLEET_CPU_KERNELS", "0")
     assert cpu_kernels.load() is None

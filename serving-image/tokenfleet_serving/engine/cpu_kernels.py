@@ -3,8 +3,8 @@
 The one kernel so far is paged decode attention (``csrc/paged_attention.c``): it reads keys and values in
 place through the block tables, where the pure PyTorch path first gathers a copy of every sequence's
 blocks. The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default
-``~/.cache/tokenfleet/kernels``), keyed by a hash of the source, the flags and the compiler, so a source
-change rebuilds it and concurrent processes never see a half-written file. Without a compiler, or with
+``~/.cache/tokenfleet/kernels``), keyed by a hash of the source and the flags, so a source change
+rebuilds it, an image can ship it prebuilt, and concurrent processes never see a half-written file. Without a compiler, or with
 ``TOKENFLEET_CPU_KERNELS=0``, the engine keeps the pure PyTorch path; tests hold the two to each other.
 """
 from __future__ import annotations
@@ -48,26 +48,30 @@ def compile_flags() -> list[str]:
     return flags
 
 
+def library_path() -> Path:
+    """Where the library for this source and these flags lives (the key leaves the compiler out, so an
+    image can ship a prebuilt library without a compiler)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(compile_flags()).encode()).hexdigest()[:16]
+    return cache_dir() / f"tokenfleet-kernels-{key}.so"
+
+
 def build(compiler: str | None = None) -> Path:
-    """Compile the kernels (once per source, flags and compiler); returns the shared library's path."""
+    """Compile the kernels unless this source and flags are built already; returns the library's path."""
+    target = library_path()
+    if target.exists():
+        return target
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
-    flags = compile_flags()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()]))
-    target = cache_dir() / f"tokenfleet-kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        try:
+            done = subprocess.run([cc, *compile_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
         if done.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
@@ -119,3 +123,7 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Ten
         block_size, scale, max_len)
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its score buffer")
+
+
+if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)
+    print(build())
