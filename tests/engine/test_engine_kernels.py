@@ -1,7 +1,7 @@
 """The engine's CPU fast paths against their plain PyTorch definitions.
 
-* the compiled paged decode-attention kernel (csrc/paged_attention.c) vs scaled_dot_product_attention over
-  keys gathered from the same scattered blocks;
+* the compiled paged decode-attention kernel (csrc/cpu_kernels.c) vs scaled_dot_product_attention over
+  keys gathered from the same scattered blocks, and its fused add + RMSNorm vs F.rms_norm;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
 * the oneDNN-packed Linear vs F.linear, and the bound on the row counts it hands to oneDNN.
 """
@@ -79,13 +79,31 @@ def test_decode_kernel_softmax_is_stable_for_large_scores(lib):
     assert torch.equal(out[0], v_layer[0, 1, 1])                     # all weight on key 5, no NaN
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 8), (7, 64), (300, 512), (33, 80)])
+def test_rms_norm_kernel_matches_f_rms_norm_with_and_without_the_residual_add(lib, rows, dim):
+    torch.manual_seed(rows * dim)
+    weight, eps = torch.randn(dim), 1e-5
+    base = torch.randn(rows, dim + 3) * 5
+    x = base[:, :dim]                                                  # strided rows, as x[r] slices are
+    expected = F.rms_norm(x, (dim,), weight, eps)
+    assert (cpu_kernels.rms_norm(lib, x, weight, eps) - expected).abs().max() < 1e-5
+    assert torch.equal(base[:, :dim], x)                               # x untouched without a delta
+    delta = torch.randn(rows, dim)
+    summed = x + delta
+    out = cpu_kernels.rms_norm(lib, x, weight, eps, delta)
+    assert (x - summed).abs().max() < 1e-6                             # the residual was updated in place
+    assert (out - F.rms_norm(summed, (dim,), weight, eps)).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="a delta shaped like x"):
+        cpu_kernels.rms_norm(lib, x, weight, eps, delta[:, :dim - 1])
+
+
 def test_kernel_library_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path / "cache"))
     first = cpu_kernels.build()
     assert first.parent == tmp_path / "cache" and first.exists()
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp    # not rebuilt
-    changed = tmp_path / "paged_attention.c"
+    changed = tmp_path / "cpu_kernels.c"
     changed.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
     second = cpu_kernels.build()
@@ -96,7 +114,7 @@ def test_kernel_library_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path
 def test_broken_source_or_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))
     broken = tmp_path / "broken.c"
-    broken.write_text("int tf_paged_decode_attention( {\n")
+    broken.write_text("void tf_rms_norm( {\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="compiling broken.c failed"):
         cpu_kernels.build()

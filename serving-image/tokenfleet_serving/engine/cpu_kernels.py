@@ -1,8 +1,11 @@
 """Compiled CPU kernels, built on first use with the system C compiler and loaded through ctypes.
 
-The one kernel so far is paged decode attention (``csrc/paged_attention.c``): it reads keys and values in
-place through the block tables, where the pure PyTorch path first gathers a copy of every sequence's
-blocks. The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default
+``csrc/cpu_kernels.c`` holds two fp32 kernels:
+
+* paged decode attention, which reads keys and values in place through the block tables, where the pure
+  PyTorch path first gathers a copy of every sequence's blocks;
+* RMSNorm fused with the residual add before it (one pass instead of torch's six small ops).
+ The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default
 ``~/.cache/tokenfleet/kernels``), keyed by a hash of the source and the flags, so a source change
 rebuilds it, an image can ship it prebuilt, and concurrent processes never see a half-written file. Without a compiler, or with
 ``TOKENFLEET_CPU_KERNELS=0``, the engine keeps the pure PyTorch path; tests hold the two to each other.
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +84,7 @@ def build(compiler: str | None = None) -> Path:
     return target
 
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -96,10 +99,11 @@ def load() -> ctypes.CDLL | None:
             try:
                 torch.get_num_threads()            # torch (and its OpenMP runtime) first, so the kernels share it
                 lib = ctypes.CDLL(str(build()))
-                fn = lib.tf_paged_decode_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-                               _I64, _I64, ctypes.c_float, _I64]
+                lib.tf_paged_decode_attention.restype = ctypes.c_int
+                lib.tf_paged_decode_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+                                                          _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64]
+                lib.tf_rms_norm.restype = None
+                lib.tf_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32]
             except (KernelUnavailable, OSError, AttributeError) as e:
                 log.warning("CPU kernels unavailable, using the PyTorch attention path: %s", e)
                 lib = None
@@ -107,16 +111,25 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
+def _require(condition: bool, what: str) -> None:
+    if not condition:      # the kernels trust their pointers and strides, so check before calling
+        raise ValueError(f"CPU kernel needs {what}")
+
+
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                            tables: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
                            scale: float) -> None:
     """Write attention of ``q`` [seqs, heads, head_dim] (fp32, rows may be strided) into ``out``
-    [seqs, heads * head_dim] over ``tables`` [seqs, width] and ``lens`` [seqs] (int64, contiguous)."""
+    [seqs, heads * head_dim] over ``tables`` [seqs, width] and ``lens`` [seqs] (int64, contiguous;
+    ``max_len`` >= every length)."""
     seqs, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_layer.shape
-    assert q.dtype == out.dtype == k_layer.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim
-    assert out.stride(1) == 1 and k_layer.is_contiguous() and v_layer.is_contiguous()
-    assert tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+    _require(q.dtype == out.dtype == k_layer.dtype == v_layer.dtype == torch.float32, "fp32 tensors")
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == 1, "contiguous query/output rows")
+    _require(k_layer.is_contiguous() and v_layer.is_contiguous() and v_layer.shape == k_layer.shape,
+             "contiguous cache layers of one shape")
+    _require(tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+             and tables.shape[0] == lens.shape[0] == seqs and out.shape[0] >= seqs, "int64 tables and lens")
     rc = lib.tf_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), out.data_ptr(), out.stride(0), seqs, heads, kv_heads, head_dim, num_blocks,
@@ -124,6 +137,20 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Ten
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its score buffer")
 
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` [rows, dim] (fp32); with ``delta``, first ``x += delta`` in place."""
+    rows, dim = x.shape
+    _require(x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
+             and weight.shape == (dim,), "fp32 rows and a weight of their width")
+    _require(delta is None or (delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(1) == 1),
+             "a delta shaped like x")
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    lib.tf_rms_norm(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+                    0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), dim, rows, dim,
+                    eps)
+    return out
 
 if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)
     print(build())

@@ -124,8 +124,13 @@ class LlamaModel:
         return pool.numel() * pool.element_size()
 
     # ---- forward -------------------------------------------------------
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of ``x``; with ``delta``, first ``x += delta`` in place (the residual add before it)."""
         eps = self.config.rms_norm_eps
+        if self.kernels is not None:
+            return cpu_kernels.rms_norm(self.kernels, x, weight, eps, delta)
+        if delta is not None:
+            x += delta
         if self.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, eps)
         return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(self.dtype)   # as HF: normalize in fp32
@@ -208,8 +213,8 @@ class LlamaModel:
             vc.view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kc, vc, batch)
             for r in pieces:            # row pieces keep the MLP's wide intermediates in cache
-                x[r] += layer["o"](attn[r])
-                gate, up = layer["gate_up"](self._rms_norm(x[r], layer["ln2"])).chunk(2, dim=-1)
+                h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
+                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
                 x[r] += layer["down"](F.silu(gate).mul_(up))
         if not all_logits:
             x = x[batch.logits_rows]
