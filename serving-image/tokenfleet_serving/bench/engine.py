@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-len", type=int, default=32)
     ap.add_argument("--hits", type=int, default=5)
     ap.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    ap.add_argument("--skip-pytorch-path", action="store_true",
+                    help="do not also run W1 on the engine's pure PyTorch path (no compiled CPU kernels)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="W1 runs of each system, alternating engine and transformers; the best of each counts "
                          "(a shared machine's load changes between runs)")
@@ -204,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
                       hf_roofline_fraction=out_tokens / t_hf / roofline,
                       greedy_match_hf=sum(a == b for a, b in zip(engine_out, hf_out)) / len(prompts))
 
+    if engine.model.kernels is not None and not args.skip_pytorch_path:
+        # the same engine without the compiled CPU kernels, so their effect shows side by side
+        plain = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=8192,
+                                          max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30,
+                                          num_threads=args.threads, load_tokenizer=False, cpu_kernels=False)
+        t_plain = run_engine_w1(plain, prompts, args.output_len)[0]
+        del plain
+        result.update(engine_pytorch_path_output_tok_s=out_tokens / t_plain, kernels_speedup=t_plain / t_engine)
+
     w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, rng)
     cold_flops = sequence_flops(config, args.prefix_len + args.new_len, 1)
     w3["prefill_roofline_fraction"] = (cold_flops / matmul) / w3["ttft_cold_s"]
@@ -226,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("matmul GFLOP/s (fp32, measured)", result["matmul_gflops"]),
             ("W1 transformers output tok/s", result.get("hf_output_tok_s")),
             ("W1 engine output tok/s", result["engine_output_tok_s"]),
+            ("W1 engine, PyTorch path only, tok/s", result.get("engine_pytorch_path_output_tok_s")),
             ("W1 ratio vs transformers", result.get("ratio_vs_hf")),
             ("W1 roofline output tok/s", roofline), ("W1 roofline fraction", result["roofline_fraction"]),
             ("W3 TTFT cold (s)", w3["ttft_cold_s"]), ("W3 TTFT hit (s)", w3["ttft_hit_s"]),
