@@ -170,15 +170,15 @@ def test_linear_matches_f_linear_for_any_row_count(packed):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 40), torch.randn(96)
     lin, lin_nobias = Linear(weight, bias, packed), Linear(weight, None, packed)
-    for rows in [1, 3, 8, 9, 63, 64, 255, 256, 257, 511, 700]:
+    for rows in [1, 3, 8, 9, 63, 64, 255, 256, 257, 511, 700, 2300, 4100]:
         x = torch.randn(rows, 80)[:, ::2]                             # a strided input too
         assert lin(x).shape == (rows, 96)
         assert (lin(x) - F.linear(x, weight, bias)).abs().max() < 1e-4
         assert (lin_nobias(x) - F.linear(x, weight)).abs().max() < 1e-4
 
 
-def test_linear_hands_onednn_at_most_32_row_counts(monkeypatch):
-    """oneDNN compiles and keeps a primitive per input shape; the padding and pieces bound them."""
+def test_linear_hands_onednn_at_most_40_row_counts(monkeypatch):
+    """oneDNN compiles and keeps a primitive per input shape; padding and pieces bound the row counts."""
     seen = set()
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -188,6 +188,7 @@ def test_linear_hands_onednn_at_most_32_row_counts(monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     lin = Linear(torch.randn(16, 8), None, True)
-    for rows in range(1, 3000):
+    for rows in list(range(1, 1100)) + list(range(1100, 9000, 37)):
         lin(torch.randn(rows, 8))
-    assert seen == set(range(8, Linear.ROW_CHUNK + 1, 8))
+    assert seen == set(range(8, Linear.SMALL + 1, 8)) | set(range(2 * Linear.SMALL, Linear.PIECE + 1, Linear.SMALL))
+    assert len(seen) == 39

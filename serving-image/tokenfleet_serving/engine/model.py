@@ -48,11 +48,11 @@ class Linear:
     the few-row matmuls of decoding that runs 1.5-2x faster than the default BLAS call (measured in
     docs/engine.md); elsewhere it is ``F.linear``.
 
-    oneDNN keeps a compiled primitive (0.2-1.2 MB) per distinct input shape, so row counts are bounded:
-    up to ``ROW_CHUNK`` rows are padded to a multiple of 8, longer inputs run in ``ROW_CHUNK``-row pieces
-    (as fast per FLOP as one big call, measured). That caps each weight at 32 primitives.
+    oneDNN compiles and keeps a primitive (0.2-1.2 MB) per input shape, so the row counts it sees are
+    bounded: up to ``SMALL`` rows are padded to a multiple of 8; longer inputs run as pieces of a multiple
+    of ``SMALL`` rows (at most ``PIECE``) plus one short tail. That is at most 40 primitives per weight.
     """
-    ROW_CHUNK = 256
+    SMALL, PIECE = 256, 2048
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         self.bias, self.weight, self.packed = bias, weight, None
@@ -63,12 +63,20 @@ class Linear:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
-        if rows > self.ROW_CHUNK:
-            return torch.cat([self(x[i:i + self.ROW_CHUNK]) for i in range(0, rows, self.ROW_CHUNK)])
-        padded = -(-rows // 8) * 8
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+        if rows <= self.SMALL:
+            padded = -(-rows // 8) * 8
+            if padded != rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+        pieces, start = [], 0
+        while rows - start > self.SMALL:
+            n = min(self.PIECE, (rows - start) // self.SMALL * self.SMALL)
+            pieces.append(torch.ops.mkldnn._linear_pointwise(x[start:start + n], self.packed, self.bias,
+                                                             "none", [], ""))
+            start += n
+        if start < rows:
+            pieces.append(self(x[start:]))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class LlamaModel:
@@ -202,7 +210,7 @@ class LlamaModel:
         x = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]
-        pieces = [slice(i, i + Linear.ROW_CHUNK) for i in range(0, T, Linear.ROW_CHUNK)]
+        pieces = [slice(i, i + Linear.PIECE) for i in range(0, T, Linear.PIECE)]
         for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             h = self._rms_norm(x, layer["ln1"])
             qkv = layer["qkv"](h)
@@ -212,7 +220,7 @@ class LlamaModel:
             kc.view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
             vc.view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kc, vc, batch)
-            for r in pieces:            # row pieces keep the MLP's wide intermediates in cache
+            for r in pieces:            # row pieces bound the MLP's wide intermediates
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
                 gate, up = layer["gate_up"](h).chunk(2, dim=-1)
                 x[r] += layer["down"](F.silu(gate).mul_(up))
