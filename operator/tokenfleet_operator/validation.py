@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.slice import SliceSpec
 
 
@@ -45,6 +45,35 @@ def _topology_problem(topology: str | None, hosts: int, per_host: int, field: st
     return []
 
 
+BUNDLED_REPOSITORY = DEFAULT_IMAGE.rsplit(":", 1)[0]      # tokenfleet/serving
+
+
+def runs_bundled_server(image: str) -> bool:
+    """True for the bundled serving image under any registry, tag or digest."""
+    head, _, last = image.split("@", 1)[0].rpartition("/")
+    path = f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+    return path == BUNDLED_REPOSITORY or path.endswith("/" + BUNDLED_REPOSITORY)
+
+
+def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem]:
+    """The bundled server does not implement quantization or speculative decoding yet; without this check
+    its pods would crash-loop on the flags (another image may implement them)."""
+    if not runs_bundled_server(spec.image):
+        return []
+    problems = []
+    if spec.engine.quantization != "none":
+        problems.append(Problem(
+            "NotInServingImage", "spec.engine.quantization",
+            f"the bundled serving image {spec.image} does not implement {spec.engine.quantization} quantization yet; "
+            "set quantization to none, or set spec.image to a server that accepts --quantization"))
+    if spec.engine.speculative_decoding is not None:
+        problems.append(Problem(
+            "NotInServingImage", "spec.engine.speculativeDecoding",
+            f"the bundled serving image {spec.image} does not implement speculative decoding yet; remove "
+            "speculativeDecoding, or set spec.image to a server that accepts --speculative-method"))
+    return problems
+
+
 def check_inference_service(spec: InferenceServiceSpec) -> list[Problem]:
     acc = spec.accelerator
     problems = _topology_problem(
@@ -63,7 +92,7 @@ def check_inference_service(spec: InferenceServiceSpec) -> list[Problem]:
                 f"{spec_dec.num_speculative_tokens} speculative tokens do not fit a context of {spec.engine.max_model_len}",
             )
         )
-    return problems
+    return problems + _levers_the_bundled_server_lacks(spec)
 
 
 def _template_problems(template_spec: dict[str, Any]) -> list[Problem]:
