@@ -20,6 +20,10 @@ def test_poisson_arrivals_have_the_requested_rate_and_exponential_gaps():
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.03)
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.05)     # exponential: stdev == mean
     assert poisson_arrivals(4.0, 5, random.Random(7)) == poisson_arrivals(4.0, 5, random.Random(7))
+    # a short run offers exactly its rate: its 12 gaps span 12 / 2.0 = 6 s, so the last send comes before
+    # 6 s for every seed (free exponential gaps pass 6 s in about a third of runs), and stay random
+    lasts = [poisson_arrivals(2.0, 12, random.Random(seed))[-1] for seed in range(40)]
+    assert all(last < 6.0 for last in lasts) and statistics.stdev(lasts) > 0.2
 
 
 def test_percentile_interpolates():
@@ -50,6 +54,9 @@ def test_summarize_counts_goodput_against_both_slos():
     assert row["tpot_p50_ms"] == pytest.approx(100.0)
     assert row["itl_p99_ms"] == pytest.approx(100.0)
     assert row["slo_attainment"] == pytest.approx(0.25)
+    # finishing early is keeping up exactly: the rate is counted over the offered window (4 / 2.0 = 2 s)
+    assert summarize(2.0, records, duration_s=1.2, slo=slo)["achieved_rate"] == pytest.approx(1.5)
+    assert summarize(2.0, records, duration_s=3.0, slo=slo)["achieved_rate"] == pytest.approx(1.0)
 
 
 def test_saturation_is_the_first_rate_that_cannot_keep_up():
@@ -68,7 +75,7 @@ def test_saturation_is_the_first_rate_that_cannot_keep_up():
 def test_bench_serve_end_to_end(tiny_model, tmp_path):
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "-m", "tokenfleet_cli", "bench", "serve", "--model", str(tiny_model),
-                           "--json", str(out), "--rates", "2,200", "--num-requests", "6", "--input-len", "16",
+                           "--json", str(out), "--rates", "2,200", "--num-requests", "6", "--min-seconds", "0", "--input-len", "16",
                            "--output-len", "8", "--server-arg=--num-threads=1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
