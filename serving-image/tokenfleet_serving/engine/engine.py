@@ -71,7 +71,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     load_tokenizer: bool = True
-    cpu_kernels: bool = True            # compiled CPU decode attention (cpu_kernels.py); False: PyTorch only
+    cpu_kernels: bool = True            # compiled fp32 CPU kernels (cpu_kernels.py); False: PyTorch only
 
 
 @dataclass

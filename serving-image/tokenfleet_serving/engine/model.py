@@ -83,7 +83,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int, use_kernels: bool = True):
         self.config, self.dtype, self.device = config, dtype, device
-        # decode attention straight from the pool (compiled C, fp32 CPU only); None: the PyTorch path
+        # compiled C kernels (decode attention from the pool, fused norm), fp32 CPU only; None: PyTorch
         on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         self.kernels = cpu_kernels.load() if use_kernels and on_cpu_fp32 else None
         w = lambda name: weights[name].to(device=device, dtype=dtype).contiguous()
@@ -205,6 +205,8 @@ class LlamaModel:
         KVH, hd = c.num_kv_heads, c.head_dim
         g = c.num_heads // KVH
         for grp in batch.groups:      # [P, 1, Q, L] -> [1, P, g*Q, L], matching the (g, Q) query order
+            if grp.q_len == 1 and self.kernels is not None:
+                continue              # the C decode kernel takes lengths, not a mask
             mask = grp.mask.to(self.dtype).squeeze(1)
             grp.mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
         x = self.embed[batch.input_ids]
