@@ -57,6 +57,31 @@ def test_image_installs_the_serving_extra():
     assert not missing, f"Dockerfile does not install serving dependencies {missing}"
 
 
+def test_the_installed_package_carries_the_kernel_source_and_the_image_prebuilds_it(tmp_path):
+    """The image installs a wheel (not the checkout): the C source must be package data, and the build
+    stage must compile it where the final stage looks."""
+    import shutil
+    import sys
+    import zipfile
+
+    context = tmp_path / "context"          # what the Dockerfile copies, without the checkout's build leftovers
+    for name in ("pyproject.toml", "README.md", "operator/tokenfleet_cli.py", "serving-image/tokenfleet_serving"):
+        src, dst = ROOT / name, context / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dst)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(context)], check=True, timeout=300)
+    [wheel] = (tmp_path / "dist").glob("tokenfleet-*.whl")
+    assert "tokenfleet_serving/engine/csrc/cpu_kernels.c" in zipfile.ZipFile(wheel).namelist()
+    build, final = " ".join(stages()[0]), " ".join(stages()[-1])
+    assert "python -m tokenfleet_serving.engine.cpu_kernels" in build
+    assert "TOKENFLEET_KERNEL_CACHE=/opt/tokenfleet/kernels" in build
+    assert "TOKENFLEET_KERNEL_CACHE=/opt/tokenfleet/kernels" in final and "/opt/tokenfleet" in final
+
+
 @pytest.mark.parametrize("args", [["tokenfleet", "serve", "--help"], ["serve", "--help"]])
 def test_entrypoint_runs_tokenfleet_subcommands_as_a_local_process(args):
     proc = subprocess.run(["sh", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=120)

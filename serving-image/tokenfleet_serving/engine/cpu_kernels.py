@@ -5,9 +5,10 @@
 * paged decode attention, which reads keys and values in place through the block tables, where the pure
   PyTorch path first gathers a copy of every sequence's blocks;
 * RMSNorm fused with the residual add before it (one pass instead of torch's six small ops).
- The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default
-``~/.cache/tokenfleet/kernels``), keyed by a hash of the source and the flags, so a source change
-rebuilds it, an image can ship it prebuilt, and concurrent processes never see a half-written file. Without a compiler, or with
+
+The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default ``~/.cache/tokenfleet/kernels``),
+keyed by a hash of the source and the flags, so a source change rebuilds it, an image can ship it
+prebuilt, and concurrent processes never see a half-written file. Without a compiler, or with
 ``TOKENFLEET_CPU_KERNELS=0``, the engine keeps the pure PyTorch path; tests hold the two to each other.
 """
 from __future__ import annotations
