@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     flops_w1 = args.requests * sequence_flops(config, args.prompt_len, args.output_len)
     out_tokens = args.requests * args.output_len
     roofline = out_tokens / (flops_w1 / matmul)
-    engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu",
-                                       max_num_batched_tokens=max(8192, args.prefix_len + args.new_len),
-                                       max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30,
-                                       num_threads=args.threads, load_tokenizer=False)
+    engine_args = dict(dtype="float32", device="cpu", max_num_batched_tokens=max(8192, args.prefix_len + args.new_len),
+                       max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30, num_threads=args.threads,
+                       load_tokenizer=False)
+    engine = LLMEngine.from_pretrained(model_dir, **engine_args)
     engine_runs, hf_runs = [], []
     for _ in range(max(1, args.repeats)):
         engine_runs.append(run_engine_w1(engine, prompts, args.output_len))
@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if engine.model.kernels is not None and not args.skip_pytorch_path:
         # the same engine without the compiled CPU kernels, so their effect shows side by side
-        plain = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=8192,
-                                          max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30,
-                                          num_threads=args.threads, load_tokenizer=False, cpu_kernels=False)
+        plain = LLMEngine.from_pretrained(model_dir, **engine_args, cpu_kernels=False)
         t_plain = run_engine_w1(plain, prompts, args.output_len)[0]
         del plain
         result.update(engine_pytorch_path_output_tok_s=out_tokens / t_plain, kernels_speedup=t_plain / t_engine)
