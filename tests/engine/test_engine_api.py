@@ -120,6 +120,24 @@ def test_stats_and_cached_block_hashes_follow_the_spec(llama_dir):
     assert out.num_cached_tokens == 16 and eng.stats().prefix_cache_hits == 16
 
 
+def test_reset_prefix_cache_forgets_cached_blocks_but_not_while_requests_run(llama_dir):
+    eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
+    prompt = list(range(40, 58))
+    [first] = eng.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))
+    assert eng.cached_block_hashes()
+    eng.add_request("running", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    eng.step()
+    assert eng.reset_prefix_cache() is False                   # its blocks are in use: nothing is dropped
+    assert len(eng.cached_block_hashes()) >= 4
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.reset_prefix_cache() is True
+    assert eng.cached_block_hashes() == []
+    [again] = eng.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))
+    assert again.num_cached_tokens == 0 and again.new_token_ids == first.new_token_ids
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks     # every block came back after the reset
+
+
 def test_request_validation(eng):
     with pytest.raises(ValueError, match="empty"):
         eng.add_request("v1", [], SamplingParams())

@@ -108,13 +108,19 @@ def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[
 
 
 def run_engine_w1(engine: LLMEngine, prompts: list[list[int]], output_len: int
-                  ) -> tuple[float, float, list[list[int]]]:
+                  ) -> tuple[float, float, list[list[int]], int]:
+    """One timed W1 run. The prefix cache is emptied first: a repeat must compute every prompt token
+    again, as transformers does, rather than reuse the blocks of the previous run (or of the warm-up)."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("W1 needs an idle engine to empty its prefix cache")
+    hits = engine.stats().prefix_cache_hits
     t, cpu = time.perf_counter(), cpu_seconds()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t
-    return elapsed, (cpu_seconds() - cpu) / elapsed, [o.new_token_ids for o in outs]
+    cached = engine.stats().prefix_cache_hits - hits      # 0 unless preemption re-hit a request's own blocks
+    return elapsed, (cpu_seconds() - cpu) / elapsed, [o.new_token_ids for o in outs], cached
 
 
 def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
@@ -194,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_runs.append(run_engine_w1(engine, prompts, args.output_len))
         if not args.skip_hf:
             hf_runs.append(run_hf(model_dir, prompts, args.output_len))
-    t_engine, engine_cores, engine_out = min(engine_runs, key=lambda r: r[0])
+    t_engine, engine_cores, engine_out, _ = min(engine_runs, key=lambda r: r[0])
     result.update(engine_output_tok_s=out_tokens / t_engine, roofline_output_tok_s=roofline,
+                  engine_w1_cached_prompt_tokens=max(r[3] for r in engine_runs),
                   roofline_fraction=out_tokens / t_engine / roofline, w1_model_gflop=flops_w1 / 1e9,
                   engine_cpu_cores_used=engine_cores,
                   engine_output_tok_s_runs=[out_tokens / r[0] for r in engine_runs])

@@ -107,5 +107,13 @@ class BlockPool:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
 
+    def reset_cache(self) -> bool:
+        """Forget every cached hash, so no later request hits; refused (False) while any block is in use."""
+        if any(self.ref_cnt):
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def cached_hashes(self) -> list[str]:
         return [h.hex() for h in self.cached]

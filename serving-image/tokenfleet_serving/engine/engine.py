@@ -255,6 +255,12 @@ class LLMEngine:
         with self.lock:
             return self.kv.pool.cached_hashes()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts).
+        Refused, returning False, while requests are unfinished, as their blocks are in use."""
+        with self.lock:
+            return not self.requests and self.kv.pool.reset_cache()
+
     # ---- offline convenience ----------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -2,10 +2,10 @@
 
 All sequences of a step are flattened into one [T, hidden] batch, so every
 linear layer is a single matmul. Q/K/V and gate/up projections are fused at
-load time. The KV pool is one tensor per layer-and-kind laid out as
-[kv_heads, num_blocks, block_size, head_dim]: gathering a sequence's blocks
-copies contiguous block_size x head_dim tiles and yields a contiguous
-[kv_heads, tokens, head_dim] view.
+load time. The KV pool is one tensor per layer laid out as
+[2 (keys, values), kv_heads, num_blocks, block_size, head_dim]: gathering a
+sequence's blocks copies contiguous block_size x head_dim tiles of keys and
+values in one call and yields contiguous [kv_heads, tokens, head_dim] views.
 """
 from __future__ import annotations
 
@@ -112,8 +112,7 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
+        self.kv_layers: list[torch.Tensor] = []     # per layer [2, kv_heads, num_blocks, block_size, head_dim]
         self.block_size = 0
 
     # ---- KV pool -------------------------------------------------------
@@ -125,8 +124,7 @@ class LlamaModel:
         c = self.config
         shape = (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.k_cache = [pool[i, 0] for i in range(c.num_layers)]
-        self.v_cache = [pool[i, 1] for i in range(c.num_layers)]
+        self.kv_layers = [pool[i] for i in range(c.num_layers)]
         self.block_size = block_size
         self.kv_pool = pool
         return pool.numel() * pool.element_size()
@@ -149,36 +147,37 @@ class LlamaModel:
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """Copy the listed blocks of one layer's cache: [kv_heads, len(block_ids), block_size * head_dim].
-        (Selecting on the flattened block is twice as fast as on the 4-d view, measured.)"""
-        return cache.view(cache.shape[0], cache.shape[1], -1).index_select(1, block_ids)
+    def _gather(kv: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the listed blocks of one layer's keys and values: two [kv_heads, len(block_ids),
+        block_size * head_dim]. (Selecting on the flattened block is twice as fast as on the 5-d view, and
+        keys and values in one call a third faster than in two, measured.)"""
+        both = kv.view(2, kv.shape[1], kv.shape[2], -1).index_select(2, block_ids)
+        return both[0], both[1]
 
-    def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, grp: PagedGroup
-                         ) -> torch.Tensor:
+    def _paged_attention(self, q: torch.Tensor, kv: torch.Tensor, grp: PagedGroup) -> torch.Tensor:
         """Attention of one padded group; returns [valid queries, heads * head_dim]."""
         c = self.config
         KVH, hd, P, Q = c.num_kv_heads, c.head_dim, grp.num_seqs, grp.q_len
         g = c.num_heads // KVH
         qg = q[:P] if grp.q_rows is None else q.index_select(0, grp.q_rows)       # [P*Q, H, hd]
         qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd)
-        keys = self._gather(kc, grp.block_ids).view(KVH, P, -1, hd)                    # [KVH, P, L, hd]
-        vals = self._gather(vc, grp.block_ids).view(KVH, P, -1, hd)
+        keys, vals = self._gather(kv, grp.block_ids)
+        keys, vals = keys.view(KVH, P, -1, hd), vals.view(KVH, P, -1, hd)             # [KVH, P, L, hd]
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=grp.mask, scale=self.scale)
         out = out.view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
         return out if grp.valid is None else out.index_select(0, grp.valid)
 
-    def _attention(self, q, k, v, kc, vc, batch: StepBatch) -> torch.Tensor:
+    def _attention(self, q, k, v, kv, batch: StepBatch) -> torch.Tensor:
         c = self.config
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
         for grp in batch.groups:
             if grp.q_len == 1 and self.kernels is not None:          # the decode group: rows 0..num_seqs-1
-                cpu_kernels.paged_decode_attention(self.kernels, q[:grp.num_seqs], kc, vc,
+                cpu_kernels.paged_decode_attention(self.kernels, q[:grp.num_seqs], kv[0], kv[1],
                                                    grp.block_ids.view(grp.num_seqs, -1), grp.context_lens,
                                                    grp.max_context, out, self.scale)
                 continue
-            res = self._paged_attention(q, kc, vc, grp)
+            res = self._paged_attention(q, kv, grp)
             if grp.out_rows is None:
                 out[:grp.num_seqs] = res
             else:
@@ -191,8 +190,8 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
                                                    scale=self.scale, enable_gqa=H > KVH)
             else:
-                ks = self._gather(kc, span.block_ids).view(KVH, -1, hd)[:, :span.context]
-                vs = self._gather(vc, span.block_ids).view(KVH, -1, hd)[:, :span.context]
+                ks, vs = self._gather(kv, span.block_ids)
+                ks, vs = ks.view(KVH, -1, hd)[:, :span.context], vs.view(KVH, -1, hd)[:, :span.context]
                 o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=span.mask,
                                                    scale=self.scale, enable_gqa=H > KVH)
             out[rows] = o[0].transpose(0, 1).reshape(span.length, H * hd)
@@ -213,15 +212,15 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]
         pieces = [slice(i, i + Linear.PIECE) for i in range(0, T, Linear.PIECE)]
-        for layer, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+        for layer, kv in zip(self.layers, self.kv_layers):
             h = self._rms_norm(x, layer["ln1"])
             qkv = layer["qkv"](h)
             qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, hd), cos, sin)   # q and k at once
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, hd)
-            kc.view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
-            vc.view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
-            attn = self._attention(q, k, v, kc, vc, batch)
+            kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
+            kv[1].view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
+            attn = self._attention(q, k, v, kv, batch)
             for r in pieces:            # row pieces bound the MLP's wide intermediates
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
                 gate, up = layer["gate_up"](h).chunk(2, dim=-1)
