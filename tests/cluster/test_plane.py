@@ -9,19 +9,13 @@ import uuid
 
 import pytest
 import yaml
+from support import wait_until
 
 from tokenfleet_localcluster.nodes import NodePool
 
 
 def wait_for(predicate, timeout=60.0, interval=0.3, what="condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    return wait_until(predicate, timeout, interval, what)          # checks run kubectl: poll gently
 
 
 def get_json(cluster, *args):

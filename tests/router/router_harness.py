@@ -8,24 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from support import http, wait_until  # noqa: F401  (re-exported to the router tests)
+
 MODEL_NAME = "tiny"
-
-
-def http(method: str, url: str, body: dict | None = None, headers: dict | None = None,
-         timeout: float = 60) -> tuple[int, dict, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
-                                                                         **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 def metric_samples(base_url: str) -> dict[str, float]:
@@ -39,16 +26,6 @@ def metric_samples(base_url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
-
-
-def wait_until(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Process:

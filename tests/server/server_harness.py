@@ -2,35 +2,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 
+from support import http, wait_until  # noqa: F401  (re-exported to the server tests)
+
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
-
-
-def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,
-         timeout: float = 30) -> tuple[int, dict, bytes]:
-    """(status, headers, body) without raising on HTTP errors."""
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
-    if data is not None and "Content-Type" not in (headers or {}):
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 def metric_values(base_url: str) -> dict[str, float]:
@@ -45,16 +29,6 @@ def metric_values(base_url: str) -> dict[str, float]:
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
             out[key] = s.value
     return out
-
-
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class ThreadServer:
