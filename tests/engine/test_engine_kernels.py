@@ -3,7 +3,8 @@
 * the compiled paged decode-attention kernel (csrc/cpu_kernels.c) vs scaled_dot_product_attention over
   keys gathered from the same scattered blocks, and its fused add + RMSNorm vs F.rms_norm;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
-* the oneDNN-packed Linear vs F.linear, and the bound on the row counts it hands to oneDNN.
+* the Linear paths (packed GEMM, oneDNN, F.linear) vs F.linear, and the bound on the row counts it hands
+  to oneDNN.
 """
 from __future__ import annotations
 
@@ -163,18 +164,41 @@ def test_engine_without_kernels_uses_the_pytorch_path(llama_dir, monkeypatch):
 
 
 # ---- Linear ------------------------------------------------------------------------
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "aten"])
-def test_linear_matches_f_linear_for_any_row_count(packed):
-    if packed and not torch.backends.mkldnn.is_available():
+@pytest.mark.parametrize("path", ["gemm", "onednn", "aten"])
+def test_linear_matches_f_linear_for_any_row_count(path, lib):
+    if path == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.fail("this torch build has no oneDNN: the CPU fast path cannot run")
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 40), torch.randn(96)
-    lin, lin_nobias = Linear(weight, bias, packed), Linear(weight, None, packed)
-    for rows in [1, 3, 8, 9, 63, 64, 255, 256, 257, 511, 700, 2300, 4100]:
-        x = torch.randn(rows, 80)[:, ::2]                             # a strided input too
-        assert lin(x).shape == (rows, 96)
-        assert (lin(x) - F.linear(x, weight, bias)).abs().max() < 1e-4
-        assert (lin_nobias(x) - F.linear(x, weight)).abs().max() < 1e-4
+    kernels = lib if path == "gemm" else None
+    lin, lin_nobias = Linear(weight, bias, path == "onednn", kernels), Linear(weight, None, path == "onednn", kernels)
+    assert (lin.panels is not None) == (path == "gemm") and (lin.packed is not None) == (path == "onednn")
+    for rows in [1, 3, 5, 6, 7, 8, 9, 63, 64, 255, 256, 257, 511, 700, 2300, 4100]:
+        for x in (torch.randn(rows, 80)[:, ::2], torch.randn(rows, 50)[:, 5:45]):   # strided columns, strided rows
+            assert lin(x).shape == (rows, 96)
+            assert (lin(x) - F.linear(x, weight, bias)).abs().max() < 1e-4
+            assert (lin_nobias(x) - F.linear(x, weight)).abs().max() < 1e-4
+
+
+def test_gemm_rows_do_not_depend_on_their_batch(lib):
+    """Each output of the packed GEMM is a plain k-ordered sum: a row's result is bitwise the same alone,
+    at any position of a batch, and in a batch of any size (so batching never changes a greedy token)."""
+    torch.manual_seed(1)
+    lin = Linear(torch.randn(64, 1376), None, False, lib)
+    x = torch.randn(300, 1376)
+    full = lin(x)
+    for i in (0, 5, 6, 131, 299):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+        assert torch.equal(lin(x[i - 3 if i >= 3 else 0:i + 9])[min(i, 3)], full[i])
+
+
+def test_linear_uses_the_gemm_only_for_multiples_of_16_outputs(lib):
+    assert Linear(torch.randn(32, 8), None, True, lib).panels is not None
+    weight = torch.randn(40, 8)
+    odd = Linear(weight, None, True, lib)                                # 40 outputs: oneDNN instead
+    assert odd.panels is None and odd.packed is not None
+    x = torch.randn(3, 8)
+    assert (odd(x) - F.linear(x, weight)).abs().max() < 1e-4
 
 
 def test_linear_hands_onednn_at_most_40_row_counts(monkeypatch):

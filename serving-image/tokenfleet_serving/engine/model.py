@@ -44,22 +44,31 @@ def _onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """``y = x W^T + b``. For fp32 on CPU the weight is reordered once into oneDNN's blocked layout: for
-    the few-row matmuls of decoding that runs 1.5-2x faster than the default BLAS call (measured in
-    docs/engine.md); elsewhere it is ``F.linear``.
+    """``y = x W^T + b``, by the fastest path this device has:
 
-    oneDNN compiles and keeps a primitive (0.2-1.2 MB) per input shape, so the row counts it sees are
-    bounded: up to ``SMALL`` rows are padded to a multiple of 8; longer inputs run as pieces of a multiple
-    of ``SMALL`` rows (at most ``PIECE``) plus one short tail. That is at most 40 primitives per weight.
+    * the compiled kernels' GEMM over a weight packed once into 16-column panels (fp32 on an AVX2 CPU, out
+      features a multiple of 16): 1.2-2x oneDNN on the few-row matmuls of decoding, even at thousands of
+      rows (measured in docs/engine.md);
+    * otherwise, for fp32 on CPU, oneDNN with the weight reordered once into its blocked layout: 1.5-2x the
+      default BLAS call on those matmuls. oneDNN compiles and keeps a primitive (0.2-1.2 MB) per input
+      shape, so the row counts it sees are bounded: up to ``SMALL`` rows are padded to a multiple of 8;
+      longer inputs run as pieces of a multiple of ``SMALL`` rows (at most ``PIECE``) plus one short tail.
+      That is at most 40 primitives per weight;
+    * elsewhere ``F.linear``.
     """
     SMALL, PIECE = 256, 2048
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
-        self.bias, self.weight, self.packed = bias, weight, None
-        if pack:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kernels=None):
+        self.bias, self.weight, self.packed, self.panels, self.kernels = bias, weight, None, None, kernels
+        if cpu_kernels.gemm_packs(kernels, weight):
+            self.panels, self.weight = cpu_kernels.pack_weight(kernels, weight), None
+        elif pack:
             self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None), None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            y = cpu_kernels.linear(self.kernels, x, self.panels)
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
@@ -89,8 +98,9 @@ class LlamaModel:
         w = lambda name: weights[name].to(device=device, dtype=dtype).contiguous()
         cat = lambda *names: torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
         pack = _onednn_packs(dtype, device)
+        lin = lambda weight, bias: Linear(weight, bias, pack, self.kernels)
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None, pack)
+        self.lm_head = lin(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None)
         self.norm = w("model.norm.weight")
         self.layers = []
         for n in range(config.num_layers):
@@ -98,13 +108,12 @@ class LlamaModel:
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(dict(
                 ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"),
-                qkv=Linear(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                           cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None,
-                           pack),
-                o=Linear(w(a + "o_proj.weight"), None, pack),
-                gate_up=Linear(cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                               cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None, pack),
-                down=Linear(w(m + "down_proj.weight"), w(m + "down_proj.bias") if config.mlp_bias else None, pack)))
+                qkv=lin(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                        cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None),
+                o=lin(w(a + "o_proj.weight"), None),
+                gate_up=lin(cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                            cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None),
+                down=lin(w(m + "down_proj.weight"), w(m + "down_proj.bias") if config.mlp_bias else None)))
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
         # rotate-half RoPE as x * cos2 + cat(x2, x1) * sin2, with the sign folded into sin2
         self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
