@@ -1,7 +1,8 @@
 """The engine's CPU fast paths against their plain PyTorch definitions.
 
-* the compiled paged decode-attention kernel (csrc/cpu_kernels.c) vs scaled_dot_product_attention over
-  keys gathered from the same scattered blocks, and its fused add + RMSNorm vs F.rms_norm;
+* the compiled paged decode- and prefill-attention kernels (csrc/cpu_kernels.c) vs
+  scaled_dot_product_attention over keys gathered from the same scattered blocks, and the fused
+  add + RMSNorm vs F.rms_norm;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
 * the Linear paths (packed GEMM, oneDNN, F.linear) vs F.linear, and the bound on the row counts it hands
   to oneDNN.
@@ -65,6 +66,53 @@ def test_decode_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, 
     ref = reference_decode_attention(q, k_layer, v_layer, tables, lens_t, scale)
     assert (out[:len(lens)] - ref).abs().max() < 1e-5
     assert out[len(lens):].isnan().all()                               # rows past the sequences untouched
+
+
+def reference_prefill_attention(q, k_layer, v_layer, tables, q_rows, n_q, starts, scale):
+    """Per chunk: gather its sequence's keys, attend causally from its start (query i sees keys <= start + i)."""
+    heads, kv_heads, hd = q.shape[1], k_layer.shape[0], q.shape[2]
+    out = torch.full((q.shape[0], heads * hd), float("nan"))
+    for s in range(len(n_q)):
+        n, start, row, count = int(starts[s] + n_q[s]), int(starts[s]), int(q_rows[s]), int(n_q[s])
+        keys = k_layer[:, tables[s]].reshape(kv_heads, -1, hd)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        vals = v_layer[:, tables[s]].reshape(kv_heads, -1, hd)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        mask = torch.arange(n)[None, :] <= (start + torch.arange(count))[:, None]
+        o = F.scaled_dot_product_attention(q[row:row + count].transpose(0, 1), keys, vals, attn_mask=mask, scale=scale)
+        out[row:row + count] = o.transpose(0, 1).reshape(count, heads * hd)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,chunks", [
+    (8, 4, 64, 16, [(0, 40), (100, 7), (2048, 32)]),      # (tokens cached before, new tokens) per chunk
+    (4, 1, 32, 4, [(0, 2), (3, 200)]),
+    (6, 6, 80, 1, [(5, 17)]),
+    (8, 2, 128, 16, [(0, 300)]),
+    (14, 2, 64, 16, [(33, 50), (0, 97)]),                  # 7 query heads per kv head
+])
+def test_prefill_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, head_dim, block_size, chunks):
+    rng = random.Random(heads * 1000 + head_dim)
+    torch.manual_seed(rng.randrange(1 << 30))
+    n_q, starts = torch.tensor([n for _, n in chunks]), torch.tensor([s for s, _ in chunks])
+    width = max(-(-(s + n) // block_size) for s, n in chunks) + 1
+    num_blocks = len(chunks) * width + 3
+    k_layer = torch.randn(kv_heads, num_blocks, block_size, head_dim)
+    v_layer = torch.randn(kv_heads, num_blocks, block_size, head_dim)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.tensor(ids[:len(chunks) * width]).view(len(chunks), width)
+    q_rows = torch.cumsum(torch.cat([torch.tensor([2]), n_q[:-1]]), 0)     # chunks after 2 other rows
+    rows = int(q_rows[-1] + n_q[-1]) + 2
+    q = torch.randn(rows, heads + kv_heads, head_dim)[:, :heads]           # strided, as the model has them
+    out = torch.full((rows, heads * head_dim), float("nan"))
+    cpu_kernels.prefill_attention(lib, q, k_layer, v_layer, tables, q_rows, n_q, starts, out, head_dim ** -0.5)
+    ref = reference_prefill_attention(q, k_layer, v_layer, tables, q_rows, n_q, starts, head_dim ** -0.5)
+    mine = ~ref.isnan()
+    assert (out[mine] - ref[mine]).abs().max() < 1e-5
+    assert out[~mine].isnan().all()                                          # other rows untouched
+    # scores of +-1e4 overflow a naive exp; the kernel subtracts each row's maximum first
+    cpu_kernels.prefill_attention(lib, q * 400, k_layer, v_layer, tables, q_rows, n_q, starts, out, 1.0)
+    ref = reference_prefill_attention(q * 400, k_layer, v_layer, tables, q_rows, n_q, starts, 1.0)
+    assert out[mine].isfinite().all() and (out[mine] - ref[mine]).abs().max() < 1e-3
 
 
 def test_decode_kernel_softmax_is_stable_for_large_scores(lib):

@@ -7,6 +7,9 @@ Attention is computed in groups, each one batched operation per layer:
   group, with a causal mask offset by the tokens already cached;
 * long chunks run one by one through ``scaled_dot_product_attention``
   (causally over their own fresh keys when nothing precedes them in the cache).
+
+With the compiled CPU kernels, every chunk of more than one token (``prefill``) instead goes through one
+call of the prefill attention kernel, which reads all keys from the pool.
 """
 from __future__ import annotations
 
@@ -50,6 +53,15 @@ class LongSpan:
 
 
 @dataclass
+class PrefillChunks:
+    """Every chunk of more than one token, for the compiled prefill attention (one call per layer)."""
+    q_rows: torch.Tensor        # [P] first batch row of each chunk
+    n_q: torch.Tensor           # [P] its tokens
+    starts: torch.Tensor        # [P] tokens of its sequence already cached before it
+    tables: torch.Tensor        # [P, width] block tables, padded
+
+
+@dataclass
 class StepBatch:
     input_ids: torch.Tensor     # [T]
     positions: torch.Tensor     # [T]
@@ -58,6 +70,7 @@ class StepBatch:
     long_spans: list[LongSpan]
     logits_rows: torch.Tensor   # rows whose logits are sampled
     sample_order: list[int]     # chunk index for each logits row
+    prefill: PrefillChunks | None = None
 
 
 def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, contiguous: bool) -> PagedGroup:
@@ -118,7 +131,17 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
             groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], block_size, device,
                                  contiguous=(k == 0)))
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
+    prefill = None
+    multi = [i for i in order if kind(chunks[i]) > 0]
+    if multi:
+        width = max(-(-(chunks[i].start + len(chunks[i].token_ids)) // block_size) for i in multi)
+        tables = np.zeros((len(multi), width), dtype=np.int64)
+        for r, i in enumerate(multi):
+            table = chunks[i].block_table[:width]
+            tables[r, :len(table)] = table
+        prefill = PrefillChunks(t([offsets[i] for i in multi]), t([len(chunks[i].token_ids) for i in multi]),
+                                t([chunks[i].start for i in multi]), torch.from_numpy(tables).to(device))
     return StepBatch(
         input_ids=t(ids), positions=t(np.concatenate(pos) if pos else []),
         slots=t(np.concatenate(slots) if slots else []), groups=groups, long_spans=long_spans,
-        logits_rows=t(rows), sample_order=sample_order)
+        logits_rows=t(rows), sample_order=sample_order, prefill=prefill)

@@ -113,6 +113,9 @@ def load() -> ctypes.CDLL | None:
                 lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_gemm.restype = ctypes.c_int
                 lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+                lib.tf_prefill_attention.restype = ctypes.c_int
+                lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                                     _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
             except (KernelUnavailable, OSError, AttributeError) as e:
                 log.warning("CPU kernels unavailable, using the PyTorch attention path: %s", e)
                 lib = None
@@ -194,6 +197,37 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
         scratch = torch.empty(rows * k, dtype=torch.float32)
         lib.tf_gemm(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
     return y
+
+
+def prefill_attends(lib: ctypes.CDLL | None, head_dim: int) -> bool:
+    """Whether prefill chunks can go through the compiled attention (AVX2 build, head_dim a multiple of 16)."""
+    return lib is not None and head_dim % GEMM_PANEL == 0 and bool(lib.tf_gemm_available())
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                      tables: torch.Tensor, q_rows: torch.Tensor, n_q: torch.Tensor, starts: torch.Tensor,
+                      out: torch.Tensor, scale: float) -> None:
+    """Write into ``out`` [rows, heads * head_dim] the attention of prefill chunks: chunk s is ``n_q[s]``
+    query rows of ``q`` [rows, heads, head_dim] from row ``q_rows[s]``, at positions ``starts[s]``.., each
+    attending its sequence's keys up to its own position through ``tables[s]`` (keys already in the pool)."""
+    rows, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, _ = k_layer.shape
+    _require(prefill_attends(lib, head_dim), "an AVX2 build and head_dim a multiple of 16")
+    _require(q.dtype == out.dtype == k_layer.dtype == v_layer.dtype == torch.float32, "fp32 tensors")
+    _require(q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == 1, "contiguous query/output rows")
+    _require(k_layer.is_contiguous() and v_layer.is_contiguous() and v_layer.shape == k_layer.shape,
+             "contiguous cache layers of one shape")
+    seqs = n_q.shape[0]
+    _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == seqs
+                 for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
+    keys = ((starts + n_q + GEMM_PANEL - 1) // GEMM_PANEL * GEMM_PANEL).sum().item()
+    scratch = torch.empty(2 * kv_heads * head_dim * keys, dtype=torch.float32)
+    rc = lib.tf_prefill_attention(
+        q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), tables.data_ptr(), tables.shape[1],
+        q_rows.data_ptr(), n_q.data_ptr(), starts.data_ptr(), seqs, out.data_ptr(), out.stride(0), heads,
+        kv_heads, head_dim, num_blocks, block_size, scale, scratch.data_ptr())
+    if rc != 0:
+        raise MemoryError("prefill attention could not allocate its buffers")
 
 
 if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)

@@ -206,25 +206,26 @@ void tf_pack_weight(const float *w, int64_t n, int64_t k, float *panels)
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* c[r][0..15] (rows ldc apart) = sum over i < k of a[i * MR + r] * b[i * 16 + 0..15], for r < MR. On the
+/* c[r][0..15] (rows ldc apart) = sum over i < k of a[i * a_step + r * a_row] * b[i * 16 + 0..15], for r < MR
+ * (packed rows: a_step = MR, a_row = 1; plain rows: a_step = 1, a_row = their stride). On the
  * first row block of a chunk the panel comes from memory: prefetch 1 KB ahead, as the hardware prefetcher
  * stops at page edges. */
 #define GEMM_TILE(MR)                                                                                          \
-static inline __attribute__((always_inline)) void gemm_tile_##MR(const float *a, const float *b, int64_t k,   \
-                                                                 float *c, int64_t ldc, int prefetch_b)       \
+static inline __attribute__((always_inline)) void gemm_tile_##MR(const float *a, int64_t a_step,             \
+    int64_t a_row, const float *b, int64_t k, float *c, int64_t ldc, int prefetch_b)                          \
 {                                                                                                             \
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;                 \
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                                 \
-    for (int64_t i = 0; i < k; i++, a += MR, b += GEMM_NR) {                                                  \
+    for (int64_t i = 0; i < k; i++, a += a_step, b += GEMM_NR) {                                              \
         if (prefetch_b) _mm_prefetch((const char *)(b + 256), _MM_HINT_T0);                                   \
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);                                      \
         __m256 x = _mm256_broadcast_ss(a);                                                                    \
         c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);                                 \
-        if (MR > 1) { x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11); } \
-        if (MR > 2) { x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21); } \
-        if (MR > 3) { x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31); } \
-        if (MR > 4) { x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41); } \
-        if (MR > 5) { x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51); } \
+        if (MR > 1) { x = _mm256_broadcast_ss(a + 1 * a_row); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11); } \
+        if (MR > 2) { x = _mm256_broadcast_ss(a + 2 * a_row); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21); } \
+        if (MR > 3) { x = _mm256_broadcast_ss(a + 3 * a_row); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31); } \
+        if (MR > 4) { x = _mm256_broadcast_ss(a + 4 * a_row); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41); } \
+        if (MR > 5) { x = _mm256_broadcast_ss(a + 5 * a_row); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51); } \
     }                                                                                                         \
     _mm256_storeu_ps(c, c00); _mm256_storeu_ps(c + 8, c01);                                                   \
     if (MR > 1) { _mm256_storeu_ps(c + ldc, c10); _mm256_storeu_ps(c + ldc + 8, c11); }                       \
@@ -234,6 +235,89 @@ static inline __attribute__((always_inline)) void gemm_tile_##MR(const float *a,
     if (MR > 5) { _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51); }               \
 }
 GEMM_TILE(1) GEMM_TILE(2) GEMM_TILE(3) GEMM_TILE(4) GEMM_TILE(5) GEMM_TILE(6)
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpositive on 8 lanes (the compilers keep the scalar version's bit tricks scalar). */
+static inline __m256 exp8_nonpositive(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* row[i] = e^(scale row[i] - max) for i < n and 0 for n <= i < width; returns the sum (scale > 0). */
+static float softmax_numerators(float *row, int64_t n, int64_t width, float scale)
+{
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + i));
+    float lanes[8], top = -INFINITY, sum = 0.0f;
+    _mm256_storeu_ps(lanes, top8);
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    for (; i < n; i++) top = row[i] > top ? row[i] : top;
+    top *= scale;
+    const __m256 s8 = _mm256_set1_ps(scale), t8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(row + i), s8, t8));
+        _mm256_storeu_ps(row + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    _mm256_storeu_ps(lanes, sum8);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    for (; i < n; i++) { row[i] = exp_nonpositive(row[i] * scale - top); sum += row[i]; }
+    for (; i < width; i++) row[i] = 0.0f;
+    return sum;
+}
+
+/* Rows x[r] (r < m, each k floats) into blocks of 6 rows interleaved by k: block b at dst + 6 b k holds
+ * dst[i * rows_in_block + r] = x[6 b + r][i]. */
+static void pack_rows(const float *const *rows, int64_t m, int64_t k, float *dst)
+{
+    for (int64_t r0 = 0; r0 < m; r0 += GEMM_MR) {
+        const int64_t mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
+        float *d = dst + r0 * k;
+        for (int64_t r = 0; r < mr; r++) {
+            const float *x = rows[r0 + r];
+            for (int64_t i = 0; i < k; i++) d[i * mr + r] = x[i];
+        }
+    }
+}
+
+/* c[r][0..15] (rows ldc apart) for r < m times one 16-column panel: of the rows packed by pack_rows
+ * (lda = 0), or of plain rows lda floats apart. */
+static void gemm_panel(const float *a, int64_t lda, int64_t m, int64_t k, const float *panel, float *c,
+                       int64_t ldc, int prefetch_panel)
+{
+    for (int64_t r0 = 0; r0 < m; r0 += GEMM_MR) {
+        const int64_t mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
+        const float *ar = lda ? a + r0 * lda : a + r0 * k;
+        float *cr = c + r0 * ldc;
+        const int first = prefetch_panel && r0 == 0;
+#define TILE(MR) (lda ? gemm_tile_##MR(ar, 1, lda, panel, k, cr, ldc, first)        /* constant strides  */ \
+                      : gemm_tile_##MR(ar, MR, 1, panel, k, cr, ldc, first))       /* for the packed rows */
+        switch (mr) {
+        case 6: TILE(6); break;
+        case 5: TILE(5); break;
+        case 4: TILE(4); break;
+        case 3: TILE(3); break;
+        case 2: TILE(2); break;
+        default: TILE(1);
+        }
+#undef TILE
+    }
+}
 #endif
 
 /* y [m][n] (contiguous) = x [m][k] (rows ldx apart) W^T, with W packed by tf_pack_weight; `scratch` holds
@@ -246,37 +330,132 @@ int tf_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pane
     chunk = chunk < GEMM_MR ? GEMM_MR : chunk;
 #pragma omp parallel
     {
+        const float *rows[GEMM_MR];
 #pragma omp for
-        for (int64_t r0 = 0; r0 < m; r0 += GEMM_MR) {                  /* rows r0.. -> scratch[i][rows] */
+        for (int64_t r0 = 0; r0 < m; r0 += GEMM_MR) {
             const int64_t mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            float *dst = scratch + r0 * k;
-            for (int64_t i = 0; i < k; i++)
-                for (int64_t r = 0; r < mr; r++) dst[i * mr + r] = x[(r0 + r) * ldx + i];
+            for (int64_t r = 0; r < mr; r++) rows[r] = x + (r0 + r) * ldx;
+            pack_rows(rows, mr, k, scratch + r0 * k);
         }
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
 #pragma omp for schedule(static) nowait
-            for (int64_t j = 0; j < n / GEMM_NR; j++) {
-                const float *b = panels + j * GEMM_NR * k;
-                for (int64_t r0 = m0; r0 < m1; r0 += GEMM_MR) {
-                    const float *a = scratch + r0 * k;
-                    float *c = y + r0 * n + j * GEMM_NR;
-                    const int first = r0 == m0;
-                    switch (m - r0 < GEMM_MR ? m - r0 : GEMM_MR) {
-                    case 6: gemm_tile_6(a, b, k, c, n, first); break;
-                    case 5: gemm_tile_5(a, b, k, c, n, first); break;
-                    case 4: gemm_tile_4(a, b, k, c, n, first); break;
-                    case 3: gemm_tile_3(a, b, k, c, n, first); break;
-                    case 2: gemm_tile_2(a, b, k, c, n, first); break;
-                    default: gemm_tile_1(a, b, k, c, n, first);
-                    }
-                }
-            }
+            for (int64_t j = 0; j < n / GEMM_NR; j++)
+                gemm_panel(scratch + m0 * k, 0, m1 - m0, k, panels + j * GEMM_NR * k, y + m0 * n + j * GEMM_NR, n, 1);
         }
     }
     return 0;
 #else
     (void)x; (void)ldx; (void)m; (void)k; (void)panels; (void)n; (void)y; (void)scratch;
+    return -1;
+#endif
+}
+
+/* ---- Prefill attention over the paged cache, fp32 -------------------------------------------------------
+ *
+ * Chunks of query tokens (prompt chunks, or new tokens after a prefix-cache hit) attend every key of their
+ * sequence up to their own position, read from the pool through the block table; the chunk's own keys and
+ * values are written to the pool before. Per (sequence, kv head) the keys are packed once into 16-key
+ * panels [keys/16][head_dim][16] and the values into 16-dim panels [head_dim/16][keys][16]; then per
+ * (sequence, kv head, block of query tokens) the scores S = Q K^T, a softmax with the causal limit of
+ * each row, and P V run through the GEMM tiles above. Grouped-query heads of one kv head share the panels:
+ * their rows go into one matmul.
+ *
+ * Sequence s: n_q[s] queries in rows q_row[s].. of q and out ([rows][num_heads][head_dim], rows q_stride /
+ * out_stride apart), at positions starts[s].., with its block table at tables + s * table_width. `scratch`
+ * holds 2 * num_kv_heads * head_dim * (sum over s of round16(starts[s] + n_q[s])) floats.
+ * head_dim must be a multiple of 16. Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory.
+ */
+#define ATTN_ROWS 96            /* query rows (tokens x grouped heads) per work item */
+
+int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                         const int64_t *tables, int64_t table_width, const int64_t *q_row, const int64_t *n_q,
+                         const int64_t *starts, int64_t num_seqs, float *out, int64_t out_stride,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                         int64_t block_size, float scale, float *scratch)
+{
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t group = num_heads / num_kv_heads, head_stride = num_blocks * block_size * head_dim;
+    const int64_t tokens_per_item = ATTN_ROWS / group > 0 ? ATTN_ROWS / group : 1;
+    int64_t *panels_at = malloc(sizeof(int64_t) * (num_seqs + 1)), *first_item = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (!panels_at || !first_item) { free(panels_at); free(first_item); return -2; }
+    int64_t max_keys = 0;
+    panels_at[0] = first_item[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t keys = (starts[s] + n_q[s] + 15) / 16 * 16;
+        max_keys = keys > max_keys ? keys : max_keys;
+        panels_at[s + 1] = panels_at[s] + 2 * num_kv_heads * keys * head_dim;
+        first_item[s + 1] = first_item[s] + num_kv_heads * ((n_q[s] + tokens_per_item - 1) / tokens_per_item);
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* 1. pack keys and values of every (sequence, kv head) */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t n = starts[s] + n_q[s], keys = (n + 15) / 16 * 16;
+                float *kp = scratch + panels_at[s] + 2 * h * keys * head_dim, *vp = kp + keys * head_dim;
+                const int64_t *table = tables + s * table_width;
+                for (int64_t i = 0; i < keys; i++) {
+                    float *kd = kp + (i / 16) * head_dim * 16 + i % 16;
+                    if (i < n) {
+                        const int64_t at = h * head_stride + (table[i / block_size] * block_size + i % block_size) * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = k[at + d];
+                        for (int64_t d0 = 0; d0 < head_dim; d0 += 16)
+                            memcpy(vp + d0 * keys + i * 16, v + at + d0, 16 * sizeof(float));
+                    } else {
+                        for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = 0.0f;
+                        for (int64_t d0 = 0; d0 < head_dim; d0 += 16)
+                            memset(vp + d0 * keys + i * 16, 0, 16 * sizeof(float));
+                    }
+                }
+            }
+        /* 2. per (sequence, kv head, block of query tokens): softmax(Q K^T) V */
+        const int64_t rows_max = tokens_per_item * group;
+        float *qpack = malloc(sizeof(float) * rows_max * head_dim), *o = malloc(sizeof(float) * rows_max * head_dim);
+        float *sc = malloc(sizeof(float) * rows_max * max_keys);
+        float *inv = malloc(sizeof(float) * rows_max);
+        const float **rows = malloc(sizeof(float *) * rows_max);
+        if (!qpack || !o || !sc || !inv || !rows) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < first_item[num_seqs]; item++) {
+            if (failed) continue;
+            int64_t s = 0;
+            while (first_item[s + 1] <= item) s++;
+            const int64_t per_seq = (n_q[s] + tokens_per_item - 1) / tokens_per_item;
+            const int64_t h = (item - first_item[s]) / per_seq, t0 = (item - first_item[s]) % per_seq * tokens_per_item;
+            const int64_t nt = n_q[s] - t0 < tokens_per_item ? n_q[s] - t0 : tokens_per_item, m = nt * group;
+            const int64_t all_keys = (starts[s] + n_q[s] + 15) / 16 * 16;
+            const int64_t n = starts[s] + t0 + nt, keys = (n + 15) / 16 * 16;   /* keys any row here sees */
+            const float *kp = scratch + panels_at[s] + 2 * h * all_keys * head_dim, *vp = kp + all_keys * head_dim;
+            for (int64_t r = 0; r < m; r++)                                   /* row r: token r / group */
+                rows[r] = q + (q_row[s] + t0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+            pack_rows(rows, m, head_dim, qpack);
+            for (int64_t p = 0; p < keys / 16; p++)
+                gemm_panel(qpack, 0, m, head_dim, kp + p * head_dim * 16, sc + p * 16, keys, 0);
+            for (int64_t r = 0; r < m; r++)                                   /* causal softmax, unnormalised */
+                inv[r] = 1.0f / softmax_numerators(sc + r * keys, starts[s] + t0 + r / group + 1, keys, scale);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16)
+                gemm_panel(sc, keys, m, keys, vp + d0 * all_keys, o + d0, head_dim, 0);
+            for (int64_t r = 0; r < m; r++) {
+                float *dst = out + (q_row[s] + t0 + r / group) * out_stride + (h * group + r % group) * head_dim;
+                const float *src = o + r * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * inv[r];
+            }
+        }
+        free(qpack); free(o); free(sc); free(inv); free(rows);
+    }
+    free(panels_at); free(first_item);
+    return failed ? -2 : 0;
+#else
+    (void)q; (void)q_stride; (void)k; (void)v; (void)tables; (void)table_width; (void)q_row; (void)n_q;
+    (void)starts; (void)num_seqs; (void)out; (void)out_stride; (void)num_heads; (void)num_kv_heads;
+    (void)head_dim; (void)num_blocks; (void)block_size; (void)scale; (void)scratch;
     return -1;
 #endif
 }
