@@ -165,6 +165,16 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     return out
 
 GEMM_PANEL = 16     # output columns per packed weight panel
+_workspaces = threading.local()
+
+
+def _workspace(floats: int) -> torch.Tensor:
+    """A float buffer of at least ``floats`` elements, kept per thread and grown as needed: fresh multi-MB
+    allocations per call cost a page fault per 4 KB (measured: several ms per W3 hit)."""
+    buf = getattr(_workspaces, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _workspaces.buf = torch.empty(max(floats, 1 << 16), dtype=torch.float32)
+    return buf
 
 
 def gemm_packs(lib: ctypes.CDLL | None, weight: torch.Tensor) -> bool:
@@ -194,7 +204,7 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
         x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     if rows:
-        scratch = torch.empty(rows * k, dtype=torch.float32)
+        scratch = _workspace(rows * k)
         lib.tf_gemm(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
     return y
 
@@ -221,7 +231,7 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
     _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == seqs
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
     keys = ((starts + n_q + GEMM_PANEL - 1) // GEMM_PANEL * GEMM_PANEL).sum().item()
-    scratch = torch.empty(2 * kv_heads * head_dim * keys, dtype=torch.float32)
+    scratch = _workspace(2 * kv_heads * head_dim * keys)
     rc = lib.tf_prefill_attention(
         q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), tables.data_ptr(), tables.shape[1],
         q_rows.data_ptr(), n_q.data_ptr(), starts.data_ptr(), seqs, out.data_ptr(), out.stride(0), heads,

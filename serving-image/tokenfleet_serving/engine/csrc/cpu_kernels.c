@@ -368,6 +368,21 @@ int tf_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pane
  */
 #define ATTN_ROWS 96            /* query rows (tokens x grouped heads) per work item */
 
+/* A per-thread buffer kept across calls and grown as needed (the calling threads are torch's OpenMP pool,
+ * which lives as long as the process): fresh buffers of hundreds of KB per call cost page faults. */
+static float *thread_buffer(size_t floats)
+{
+    static __thread float *buf = NULL;
+    static __thread size_t capacity = 0;
+    if (capacity < floats) {
+        float *grown = realloc(buf, sizeof(float) * floats);
+        if (!grown) return NULL;
+        buf = grown;
+        capacity = floats;
+    }
+    return buf;
+}
+
 int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                          const int64_t *tables, int64_t table_width, const int64_t *q_row, const int64_t *n_q,
                          const int64_t *starts, int64_t num_seqs, float *out, int64_t out_stride,
@@ -413,11 +428,11 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
             }
         /* 2. per (sequence, kv head, block of query tokens): softmax(Q K^T) V */
         const int64_t rows_max = tokens_per_item * group;
-        float *qpack = malloc(sizeof(float) * rows_max * head_dim), *o = malloc(sizeof(float) * rows_max * head_dim);
-        float *sc = malloc(sizeof(float) * rows_max * max_keys);
-        float *inv = malloc(sizeof(float) * rows_max);
-        const float **rows = malloc(sizeof(float *) * rows_max);
-        if (!qpack || !o || !sc || !inv || !rows) {
+        float *work = thread_buffer((size_t)rows_max * (2 * head_dim + max_keys + 1 + 2 * sizeof(float *) / sizeof(float)) + 2);
+        float *qpack = work, *o = qpack + rows_max * head_dim, *sc = o + rows_max * head_dim;
+        float *inv = sc + rows_max * max_keys;
+        const float **rows = (const float **)(inv + rows_max + (rows_max & 1));   /* 8-byte aligned */
+        if (!work) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -448,7 +463,6 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
                 for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * inv[r];
             }
         }
-        free(qpack); free(o); free(sc); free(inv); free(rows);
     }
     free(panels_at); free(first_item);
     return failed ? -2 : 0;
