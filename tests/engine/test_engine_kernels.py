@@ -1,8 +1,8 @@
 """The engine's CPU fast paths against their plain PyTorch definitions.
 
 * the compiled paged decode- and prefill-attention kernels (csrc/cpu_kernels.c) vs
-  scaled_dot_product_attention over keys gathered from the same scattered blocks, and the fused
-  add + RMSNorm vs F.rms_norm;
+  scaled_dot_product_attention over keys gathered from the same scattered blocks, the fused
+  add + RMSNorm vs F.rms_norm, and SwiGLU vs F.silu(gate) * up;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
 * the Linear paths (packed GEMM, oneDNN, F.linear) vs F.linear, and the bound on the row counts it hands
   to oneDNN.
@@ -144,6 +144,18 @@ def test_rms_norm_kernel_matches_f_rms_norm_with_and_without_the_residual_add(li
     assert (out - F.rms_norm(summed, (dim,), weight, eps)).abs().max() < 1e-5
     with pytest.raises(ValueError, match="a delta shaped like x"):
         cpu_kernels.rms_norm(lib, x, weight, eps, delta[:, :dim - 1])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (3, 13), (64, 1376), (300, 40)])
+def test_silu_mul_kernel_matches_torch(lib, rows, inter):
+    torch.manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter) * 6                            # both signs, |x| up to ~25
+    gate_up[0, 0], gate_up[-1, inter - 1] = -100.0, 100.0                 # far tails: 0 and x itself
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_kernels.silu_mul(lib, gate_up)
+    assert got.shape == (rows, inter)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_kernel_library_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path, monkeypatch):

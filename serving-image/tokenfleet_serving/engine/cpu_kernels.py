@@ -1,10 +1,11 @@
 """Compiled CPU kernels, built on first use with the system C compiler and loaded through ctypes.
 
-``csrc/cpu_kernels.c`` holds three fp32 kernels:
+``csrc/cpu_kernels.c`` holds fp32 kernels:
 
 * paged decode attention, which reads keys and values in place through the block tables, where the pure
   PyTorch path first gathers a copy of every sequence's blocks;
-* RMSNorm fused with the residual add before it (one pass instead of torch's six small ops);
+* RMSNorm fused with the residual add before it (one pass instead of torch's six small ops), and the SwiGLU
+  activation silu(gate) * up in one pass;
 * the linear layers' matmul over weights packed once into 16-column panels (AVX2 + FMA builds only),
   which beats oneDNN on the few-row matmuls of decoding.
 
@@ -113,6 +114,8 @@ def load() -> ctypes.CDLL | None:
                 lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_gemm.restype = ctypes.c_int
                 lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+                lib.tf_silu_mul.restype = None
+                lib.tf_silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_prefill_attention.restype = ctypes.c_int
                 lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                                                      _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
@@ -207,6 +210,16 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
         scratch = _workspace(rows * k)
         lib.tf_gemm(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
     return y
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the fused gate/up output [rows, 2 * inter] (fp32, contiguous): silu(gate) * up, [rows, inter]."""
+    rows, width = gate_up.shape
+    _require(gate_up.dtype == torch.float32 and gate_up.is_contiguous() and width % 2 == 0,
+             "a contiguous fp32 [rows, 2 * inter] input")
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    lib.tf_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
 
 
 def prefill_attends(lib: ctypes.CDLL | None, head_dim: int) -> bool:

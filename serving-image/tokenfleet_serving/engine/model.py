@@ -152,6 +152,12 @@ class LlamaModel:
             return F.rms_norm(x, weight.shape, weight, eps)
         return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(self.dtype)   # as HF: normalize in fp32
 
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return cpu_kernels.silu_mul(self.kernels, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
@@ -241,8 +247,7 @@ class LlamaModel:
             attn = self._attention(q, k, v, kv, batch)
             for r in pieces:            # row pieces bound the MLP's wide intermediates
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
-                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-                x[r] += layer["down"](F.silu(gate).mul_(up))
+                x[r] += layer["down"](self._silu_mul(layer["gate_up"](h)))
         if not all_logits:
             x = x[batch.logits_rows]
         return self.lm_head(self._rms_norm(x, self.norm)).float()
