@@ -2,7 +2,7 @@
 
 * the compiled paged decode- and prefill-attention kernels (csrc/cpu_kernels.c) vs
   scaled_dot_product_attention over keys gathered from the same scattered blocks, the fused
-  add + RMSNorm vs F.rms_norm, and SwiGLU vs F.silu(gate) * up;
+  add + RMSNorm vs F.rms_norm, SwiGLU vs F.silu(gate) * up, RoPE vs the model's torch rotation;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
 * the Linear paths (packed GEMM, oneDNN, F.linear) vs F.linear, and the bound on the row counts it hands
   to oneDNN.
@@ -144,6 +144,23 @@ def test_rms_norm_kernel_matches_f_rms_norm_with_and_without_the_residual_add(li
     assert (out - F.rms_norm(summed, (dim,), weight, eps)).abs().max() < 1e-5
     with pytest.raises(ValueError, match="a delta shaped like x"):
         cpu_kernels.rms_norm(lib, x, weight, eps, delta[:, :dim - 1])
+
+
+@pytest.mark.parametrize("rows,heads,head_dim", [(1, 1, 8), (5, 12, 64), (300, 3, 128)])
+def test_rope_kernel_matches_the_model_rotation_in_place(lib, rows, heads, head_dim):
+    from tokenfleet_serving.engine.model import LlamaModel
+    torch.manual_seed(rows)
+    freqs = torch.outer(torch.arange(400, dtype=torch.float32), torch.rand(head_dim // 2))
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    positions = torch.randint(0, 400, (rows,))
+    rows_of = torch.randn(rows, heads + 2, head_dim)                      # rotate the first heads of wider rows
+    x = rows_of[:, :heads]
+    expected = LlamaModel._rope(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    untouched = rows_of[:, heads:].clone()
+    cpu_kernels.rope_(lib, x, cos, sin, positions)
+    assert torch.allclose(x, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rows_of[:, heads:], untouched)
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 8), (3, 13), (64, 1376), (300, 40)])

@@ -4,8 +4,8 @@
 
 * paged decode attention, which reads keys and values in place through the block tables, where the pure
   PyTorch path first gathers a copy of every sequence's blocks;
-* RMSNorm fused with the residual add before it (one pass instead of torch's six small ops), and the SwiGLU
-  activation silu(gate) * up in one pass;
+* RMSNorm fused with the residual add before it (one pass instead of torch's six small ops), the SwiGLU
+  activation silu(gate) * up and the rotary embedding, each in one pass;
 * the linear layers' matmul over weights packed once into 16-column panels (AVX2 + FMA builds only),
   which beats oneDNN on the few-row matmuls of decoding.
 
@@ -114,6 +114,8 @@ def load() -> ctypes.CDLL | None:
                 lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_gemm.restype = ctypes.c_int
                 lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+                lib.tf_rope.restype = None
+                lib.tf_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
                 lib.tf_silu_mul.restype = None
                 lib.tf_silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_prefill_attention.restype = ctypes.c_int
@@ -210,6 +212,20 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
         scratch = _workspace(rows * k)
         lib.tf_gemm(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
     return y
+
+
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+          ) -> None:
+    """Rotate ``x`` [rows, heads, head_dim] (fp32; rows may be strided, heads contiguous) in place by the
+    rows of the ``cos`` / ``sin`` tables [max_positions, head_dim] that ``positions`` [rows] pick."""
+    rows, heads, head_dim = x.shape
+    _require(x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == head_dim
+             and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
+             "fp32 rows of contiguous heads and cos/sin tables of their width")
+    _require(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (rows,)
+             and (rows == 0 or int(positions.max()) < cos.shape[0]), "int64 positions within the tables")
+    lib.tf_rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                positions.data_ptr())
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:

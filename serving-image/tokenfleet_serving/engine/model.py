@@ -233,13 +233,18 @@ class LlamaModel:
             mask = grp.mask.to(self.dtype).squeeze(1)
             grp.mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
         x = self.embed[batch.input_ids]
-        cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
+        if self.kernels is None:
+            cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]
         pieces = [slice(i, i + Linear.PIECE) for i in range(0, T, Linear.PIECE)]
         for layer, kv in zip(self.layers, self.kv_layers):
             h = self._rms_norm(x, layer["ln1"])
             qkv = layer["qkv"](h)
-            qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, hd), cos, sin)   # q and k at once
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, hd)                          # q and k at once
+            if self.kernels is not None:
+                cpu_kernels.rope_(self.kernels, qk, self.cos, self.sin, batch.positions)       # in place
+            else:
+                qk = self._rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, hd)
             kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))

@@ -499,3 +499,26 @@ void tf_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out)
         }
     }
 }
+
+/* ---- Rotary position embedding, in place, fp32 ------------------------------------------------------------
+ * Row t holds `heads` vectors of head_dim floats (rows row_stride apart); each is rotated for position
+ * positions[t] as x * cos + rotate_half(x) * sin, where cos and sin are [max_positions][head_dim] tables whose
+ * sin half for the first half-dimensions is negated (so rotate_half is a plain swap of halves). */
+void tf_rope(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos,
+             const float *sin, const int64_t *positions)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (rows * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
