@@ -2,7 +2,8 @@
 
 * the compiled paged decode- and prefill-attention kernels (csrc/cpu_kernels.c) vs
   scaled_dot_product_attention over keys gathered from the same scattered blocks, the fused
-  add + RMSNorm vs F.rms_norm, SwiGLU vs F.silu(gate) * up, RoPE vs the model's torch rotation;
+  add + RMSNorm vs F.rms_norm, SwiGLU vs F.silu(gate) * up, RoPE vs the model's torch rotation, the
+  KV-cache write vs index_copy_;
 * its build cache and its fallbacks (switched off, no compiler, broken source);
 * the Linear paths (packed GEMM, oneDNN, F.linear) vs F.linear, and the bound on the row counts it hands
   to oneDNN.
@@ -144,6 +145,23 @@ def test_rms_norm_kernel_matches_f_rms_norm_with_and_without_the_residual_add(li
     assert (out - F.rms_norm(summed, (dim,), weight, eps)).abs().max() < 1e-5
     with pytest.raises(ValueError, match="a delta shaped like x"):
         cpu_kernels.rms_norm(lib, x, weight, eps, delta[:, :dim - 1])
+
+
+def test_write_kv_kernel_matches_index_copy(lib):
+    torch.manual_seed(3)
+    kv_heads, blocks, block_size, hd, rows = 4, 30, 16, 64, 70
+    qkv = torch.randn(rows, (8 + 2 * kv_heads) * hd)                     # k and v are strided views, as in the model
+    k = qkv[:, 8 * hd:(8 + kv_heads) * hd].view(rows, kv_heads, hd)
+    v = qkv[:, (8 + kv_heads) * hd:].view(rows, kv_heads, hd)
+    slots = torch.randperm(blocks * block_size)[:rows]
+    pool = torch.randn(2, kv_heads, blocks, block_size, hd)
+    expected = pool.clone()
+    expected[0].view(kv_heads, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
+    expected[1].view(kv_heads, -1, hd).index_copy_(1, slots, v.transpose(0, 1))
+    cpu_kernels.write_kv(lib, k, v, slots, pool[0], pool[1])
+    assert torch.equal(pool, expected)                                    # written slots, and nothing else
+    with pytest.raises(ValueError, match="slots"):
+        cpu_kernels.write_kv(lib, k, v, slots + blocks * block_size, pool[0], pool[1])
 
 
 @pytest.mark.parametrize("rows,heads,head_dim", [(1, 1, 8), (5, 12, 64), (300, 3, 128)])

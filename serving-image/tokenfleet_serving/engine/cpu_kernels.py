@@ -5,7 +5,7 @@
 * paged decode attention, which reads keys and values in place through the block tables, where the pure
   PyTorch path first gathers a copy of every sequence's blocks;
 * RMSNorm fused with the residual add before it (one pass instead of torch's six small ops), the SwiGLU
-  activation silu(gate) * up and the rotary embedding, each in one pass;
+  activation silu(gate) * up, the rotary embedding and the KV-cache write, each in one pass;
 * the linear layers' matmul over weights packed once into 16-column panels (AVX2 + FMA builds only),
   which beats oneDNN on the few-row matmuls of decoding.
 
@@ -114,6 +114,8 @@ def load() -> ctypes.CDLL | None:
                 lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
                 lib.tf_gemm.restype = ctypes.c_int
                 lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+                lib.tf_write_kv.restype = None
+                lib.tf_write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
                 lib.tf_rope.restype = None
                 lib.tf_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
                 lib.tf_silu_mul.restype = None
@@ -212,6 +214,23 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
         scratch = _workspace(rows * k)
         lib.tf_gemm(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
     return y
+
+
+def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor,
+             v_layer: torch.Tensor) -> None:
+    """Store ``k`` and ``v`` [rows, kv_heads, head_dim] (fp32; rows may be strided) at cache slots ``slots``
+    [rows] of one layer's pool, ``k_layer`` / ``v_layer`` [kv_heads, blocks, block_size, head_dim]."""
+    rows, kv_heads, head_dim = k.shape
+    _require(k.dtype == v.dtype == k_layer.dtype == v_layer.dtype == torch.float32 and v.shape == k.shape
+             and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim,
+             "fp32 key/value rows of contiguous heads")
+    _require(k_layer.is_contiguous() and v_layer.is_contiguous() and k_layer.shape == v_layer.shape
+             and k_layer.shape[0] == kv_heads and k_layer.shape[3] == head_dim, "contiguous cache layers")
+    per_head = k_layer.shape[1] * k_layer.shape[2]
+    _require(slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
+             and (rows == 0 or (int(slots.min()) >= 0 and int(slots.max()) < per_head)), "int64 slots in the pool")
+    lib.tf_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), rows,
+                    k_layer.data_ptr(), v_layer.data_ptr(), kv_heads, per_head, head_dim)
 
 
 def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor

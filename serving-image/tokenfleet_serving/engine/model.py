@@ -247,8 +247,11 @@ class LlamaModel:
                 qk = self._rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, hd)
-            kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
-            kv[1].view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
+            if self.kernels is not None:
+                cpu_kernels.write_kv(self.kernels, k, v, batch.slots, kv[0], kv[1])
+            else:
+                kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
+                kv[1].view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kv, batch)
             for r in pieces:            # row pieces bound the MLP's wide intermediates
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first

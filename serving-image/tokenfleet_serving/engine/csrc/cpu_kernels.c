@@ -522,3 +522,20 @@ void tf_rope(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t 
         }
     }
 }
+
+/* ---- KV-cache write ------------------------------------------------------------------------------------------
+ * Token t's keys and values (num_kv_heads vectors of head_dim floats from rows k + t * k_stride and
+ * v + t * v_stride) go to cache slot slots[t] of one layer's pool, k_cache / v_cache
+ * [num_kv_heads][slots_per_head][head_dim]. */
+void tf_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+                 int64_t rows, float *k_cache, float *v_cache, int64_t num_kv_heads, int64_t slots_per_head,
+                 int64_t head_dim)
+{
+#pragma omp parallel for if (rows * num_kv_heads * head_dim >= 65536)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (h * slots_per_head + slots[t]) * head_dim;
+            memcpy(k_cache + at, k + t * k_stride + h * head_dim, sizeof(float) * head_dim);
+            memcpy(v_cache + at, v + t * v_stride + h * head_dim, sizeof(float) * head_dim);
+        }
+}
