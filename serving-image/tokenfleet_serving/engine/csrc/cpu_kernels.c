@@ -216,6 +216,7 @@ static inline __attribute__((always_inline)) void gemm_tile_##MR(const float *a,
 {                                                                                                             \
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;                 \
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                                 \
+    _Pragma("GCC unroll 4")                                                                                  \
     for (int64_t i = 0; i < k; i++, a += a_step, b += GEMM_NR) {                                              \
         if (prefetch_b) _mm_prefetch((const char *)(b + 256), _MM_HINT_T0);                                   \
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);                                      \
