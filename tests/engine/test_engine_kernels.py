@@ -90,7 +90,8 @@ def reference_prefill_attention(q, k_layer, v_layer, tables, q_rows, n_q, starts
     (8, 2, 128, 16, [(0, 300)]),
     (14, 2, 64, 16, [(33, 50), (0, 97)]),                  # 7 query heads per kv head
 ])
-def test_prefill_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, head_dim, block_size, chunks):
+def test_prefill_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, head_dim, block_size, chunks,
+                                                            monkeypatch):
     rng = random.Random(heads * 1000 + head_dim)
     torch.manual_seed(rng.randrange(1 << 30))
     n_q, starts = torch.tensor([n for _, n in chunks]), torch.tensor([s for s, _ in chunks])
@@ -110,6 +111,12 @@ def test_prefill_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads,
     mine = ~ref.isnan()
     assert (out[mine] - ref[mine]).abs().max() < 1e-5
     assert out[~mine].isnan().all()                                          # other rows untouched
+    # with a scratch cap smaller than one chunk's keys, every chunk goes in a call of its own: same result
+    monkeypatch.setattr(cpu_kernels, "PREFILL_SCRATCH_BYTES", 1)
+    again = torch.full_like(out, float("nan"))
+    cpu_kernels.prefill_attention(lib, q, k_layer, v_layer, tables, q_rows, n_q, starts, again, head_dim ** -0.5)
+    assert torch.equal(again[mine], out[mine]) and again[~mine].isnan().all()
+    monkeypatch.undo()
     # scores of +-1e4 overflow a naive exp; the kernel subtracts each row's maximum first
     cpu_kernels.prefill_attention(lib, q * 400, k_layer, v_layer, tables, q_rows, n_q, starts, out, 1.0)
     ref = reference_prefill_attention(q * 400, k_layer, v_layer, tables, q_rows, n_q, starts, 1.0)

@@ -172,6 +172,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     return out
 
 GEMM_PANEL = 16     # output columns per packed weight panel
+PREFILL_SCRATCH_BYTES = 64 << 20     # packed keys and values per prefill-attention call (see prefill_attention)
 _workspaces = threading.local()
 
 
@@ -278,14 +279,24 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
     seqs = n_q.shape[0]
     _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == seqs
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
-    keys = ((starts + n_q + GEMM_PANEL - 1) // GEMM_PANEL * GEMM_PANEL).sum().item()
-    scratch = _workspace(2 * kv_heads * head_dim * keys)
-    rc = lib.tf_prefill_attention(
-        q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), tables.data_ptr(), tables.shape[1],
-        q_rows.data_ptr(), n_q.data_ptr(), starts.data_ptr(), seqs, out.data_ptr(), out.stride(0), heads,
-        kv_heads, head_dim, num_blocks, block_size, scale, scratch.data_ptr())
-    if rc != 0:
-        raise MemoryError("prefill attention could not allocate its buffers")
+    # the kernel packs every chunk's keys and values (a layer's worth of their sequences' cache): chunks go
+    # in groups whose packed copy stays under PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
+    floats = (2 * kv_heads * head_dim * ((starts + n_q + GEMM_PANEL - 1) // GEMM_PANEL * GEMM_PANEL)).tolist()
+    first = 0
+    while first < seqs:
+        last, total = first + 1, floats[first]
+        while last < seqs and (total + floats[last]) * 4 <= PREFILL_SCRATCH_BYTES:
+            total += floats[last]
+            last += 1
+        scratch = _workspace(total)
+        at = lambda t: t.data_ptr() + first * t.stride(0) * t.element_size()
+        rc = lib.tf_prefill_attention(
+            q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), at(tables), tables.shape[1],
+            at(q_rows), at(n_q), at(starts), last - first, out.data_ptr(), out.stride(0), heads, kv_heads,
+            head_dim, num_blocks, block_size, scale, scratch.data_ptr())
+        if rc != 0:
+            raise MemoryError("prefill attention could not allocate its buffers")
+        first = last
 
 
 if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)
