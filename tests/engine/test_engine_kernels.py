@@ -228,6 +228,41 @@ def test_broken_source_or_missing_compiler_is_a_clear_error(tmp_path, monkeypatc
         cpu_kernels.build()
 
 
+def test_a_build_without_avx2_keeps_every_kernel_correct_on_its_portable_paths(tmp_path, monkeypatch):
+    """Without AVX2 + FMA (an older x86 or an Arm CPU) the GEMM and the prefill attention are compiled out and
+    the engine uses oneDNN and SDPA for them; the other kernels run their portable loops, which must agree
+    with torch too."""
+    import ctypes
+
+    monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))
+    flags = [f for f in cpu_kernels.compile_flags() if not f.startswith("-march")]
+    monkeypatch.setattr(cpu_kernels, "compile_flags", lambda: flags)
+    portable = cpu_kernels.bind(ctypes.CDLL(str(cpu_kernels.build())))
+    assert portable.tf_gemm_available() == 0 and not cpu_kernels.prefill_attends(portable, 64)
+    weight = torch.randn(32, 24)
+    lin = Linear(weight, None, True, portable)
+    assert lin.panels is None and lin.packed is not None                   # oneDNN takes the linears
+    torch.manual_seed(5)
+    gate_up = torch.randn(7, 2 * 40) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(cpu_kernels.silu_mul(portable, gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    x, w = torch.randn(9, 48), torch.randn(48)
+    assert torch.allclose(cpu_kernels.rms_norm(portable, x.clone(), w, 1e-6), F.rms_norm(x, (48,), w, 1e-6),
+                          rtol=1e-5, atol=1e-6)
+    kv_heads, blocks, block_size, hd = 2, 12, 4, 16
+    k_layer, v_layer = torch.randn(kv_heads, blocks, block_size, hd), torch.randn(kv_heads, blocks, block_size, hd)
+    tables, lens = torch.randperm(blocks)[:8].view(2, 4), torch.tensor([5, 16])
+    q, out = torch.randn(2, 4, hd), torch.empty(2, 4 * hd)
+    cpu_kernels.paged_decode_attention(portable, q, k_layer, v_layer, tables, lens, 16, out, hd ** -0.5)
+    assert (out - reference_decode_attention(q, k_layer, v_layer, tables, lens, hd ** -0.5)).abs().max() < 1e-5
+    kv_rows = torch.randn(3, 2 * kv_heads, hd)
+    slots = torch.tensor([0, 17, 40])
+    expected = k_layer.clone()
+    expected.view(kv_heads, -1, hd).index_copy_(1, slots, kv_rows[:, :kv_heads].transpose(0, 1))
+    cpu_kernels.write_kv(portable, kv_rows[:, :kv_heads], kv_rows[:, kv_heads:], slots, k_layer, v_layer)
+    assert torch.equal(k_layer, expected)
+
+
 def test_a_prebuilt_library_needs_no_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENFLEET_KERNEL_CACHE", str(tmp_path))
     built = cpu_kernels.build()                         # as the image's build stage does

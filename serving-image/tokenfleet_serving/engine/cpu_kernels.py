@@ -93,6 +93,31 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernels' C signatures on a loaded library."""
+    lib.tf_paged_decode_attention.restype = ctypes.c_int
+    lib.tf_paged_decode_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+                                              _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64]
+    lib.tf_rms_norm.restype = None
+    lib.tf_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32]
+    lib.tf_gemm_available.restype = ctypes.c_int
+    lib.tf_gemm_available.argtypes = []
+    lib.tf_pack_weight.restype = None
+    lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.tf_gemm.restype = ctypes.c_int
+    lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+    lib.tf_write_kv.restype = None
+    lib.tf_write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    lib.tf_rope.restype = None
+    lib.tf_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+    lib.tf_silu_mul.restype = None
+    lib.tf_silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.tf_prefill_attention.restype = ctypes.c_int
+    lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                         _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (with one warning) when it cannot be built or is switched off."""
     with _lock:
@@ -102,27 +127,7 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("TOKENFLEET_CPU_KERNELS", "1") not in ("0", "false", "no"):
             try:
                 torch.get_num_threads()            # torch (and its OpenMP runtime) first, so the kernels share it
-                lib = ctypes.CDLL(str(build()))
-                lib.tf_paged_decode_attention.restype = ctypes.c_int
-                lib.tf_paged_decode_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
-                                                          _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64]
-                lib.tf_rms_norm.restype = None
-                lib.tf_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32]
-                lib.tf_gemm_available.restype = ctypes.c_int
-                lib.tf_gemm_available.argtypes = []
-                lib.tf_pack_weight.restype = None
-                lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
-                lib.tf_gemm.restype = ctypes.c_int
-                lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
-                lib.tf_write_kv.restype = None
-                lib.tf_write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
-                lib.tf_rope.restype = None
-                lib.tf_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
-                lib.tf_silu_mul.restype = None
-                lib.tf_silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
-                lib.tf_prefill_attention.restype = ctypes.c_int
-                lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                                                     _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+                lib = bind(ctypes.CDLL(str(build())))
             except (KernelUnavailable, OSError, AttributeError) as e:
                 log.warning("CPU kernels unavailable, using the PyTorch attention path: %s", e)
                 lib = None
