@@ -36,7 +36,7 @@ def test_single_request_greedy_matches_transformers(name, checkpoints, hf_models
         assert out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_batched_greedy_matches_transformers(name, kernels, checkpoints, hf_models):
     eng = engine(checkpoints[name], cpu_kernels=kernels)
@@ -90,7 +90,7 @@ def test_preemption_keeps_greedy_parity(llama_dir, hf_models, prefix_caching):
     assert eng.kv.pool.num_free == 24
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["c-decode", "torch-decode"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
 @pytest.mark.parametrize("long_chunk", [512, 2], ids=["padded-groups", "sdpa-spans"])
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_logits_match_transformers_on_every_attention_path(name, long_chunk, kernels, checkpoints, hf_models,
@@ -105,19 +105,22 @@ def test_logits_match_transformers_on_every_attention_path(name, long_chunk, ker
     table = list(range(-(-len(prompt) // bs)))
     eng.kv.pool.allocate(len(table))
     # 1) fresh prefill of 20 tokens (causal attention over the new keys)
-    got = model.forward(build_batch([SeqChunk(prompt[:20], 0, table, True)], bs, model.device), all_logits=True)
+    step = lambda chunk: build_batch([chunk], bs, model.device, model.compiled_prefill)    # as the engine builds it
+    got = model.forward(step(SeqChunk(prompt[:20], 0, table, True)), all_logits=True)
     assert (got - ref[:20]).abs().max() < LOGIT_TOLERANCE
     # 2) a chunk of 9 tokens on top of the cached 20 (paged attention with a causal offset)
-    got = model.forward(build_batch([SeqChunk(prompt[20:29], 20, table, True)], bs, model.device), all_logits=True)
+    got = model.forward(step(SeqChunk(prompt[20:29], 20, table, True)), all_logits=True)
     assert (got - ref[20:29]).abs().max() < LOGIT_TOLERANCE
     # 3) one decode token over the 29 cached
-    got = model.forward(build_batch([SeqChunk(prompt[29:], 29, table, True)], bs, model.device))
+    got = model.forward(step(SeqChunk(prompt[29:], 29, table, True)))
     assert (got[0] - ref[29]).abs().max() < LOGIT_TOLERANCE
 
 
-def test_mixed_step_of_decodes_short_and_long_prefills_matches_transformers(llama_dir, hf_models, monkeypatch):
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
+def test_mixed_step_of_decodes_short_and_long_prefills_matches_transformers(llama_dir, hf_models, monkeypatch,
+                                                                           kernels):
     monkeypatch.setattr(batch_module, "LONG_CHUNK", 16)
-    eng = engine(llama_dir, max_num_batched_tokens=64)
+    eng = engine(llama_dir, max_num_batched_tokens=64, cpu_kernels=kernels)
     batch = prompts(6, 3, 3, 8) + prompts(7, 3, 20, 60)      # short and long prompts, chunked by the budget
     outs = eng.generate(batch, GREEDY)
     for prompt, out in zip(batch, outs):

@@ -8,8 +8,9 @@ Attention is computed in groups, each one batched operation per layer:
 * long chunks run one by one through ``scaled_dot_product_attention``
   (causally over their own fresh keys when nothing precedes them in the cache).
 
-With the compiled CPU kernels, every chunk of more than one token (``prefill``) instead goes through one
-call of the prefill attention kernel, which reads all keys from the pool.
+With the compiled CPU prefill attention (``build_batch(..., compiled_prefill=True)``), every chunk of more
+than one token is listed in ``prefill`` instead, for one kernel call per layer that reads all keys from the
+pool.
 """
 from __future__ import annotations
 
@@ -99,7 +100,10 @@ def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, 
                       torch.from_numpy(ctx).to(device), int(ctx.max()))
 
 
-def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> StepBatch:
+def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, compiled_prefill: bool = False
+                ) -> StepBatch:
+    """The step's flat batch. With ``compiled_prefill`` (the model runs the C prefill attention) every chunk of
+    2+ tokens is described once in ``prefill``; otherwise in the short-chunk group or a long span."""
     kind = lambda c: 0 if len(c.token_ids) == 1 else (1 if len(c.token_ids) < LONG_CHUNK else 2)
     order = sorted(range(len(chunks)), key=lambda i: kind(chunks[i]))
     ids, pos, slots, rows, sample_order, offsets = [], [], [], [], [], {}
@@ -116,7 +120,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         if c.sample:
             rows.append(offsets[i] + n - 1)
             sample_order.append(i)
-        if kind(c) == 2:
+        if kind(c) == 2 and not compiled_prefill:
             ctx = c.start + n
             if c.start == 0:
                 long_spans.append(LongSpan(offsets[i], n, ctx, None, None))
@@ -125,7 +129,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
                 long_spans.append(LongSpan(offsets[i], n, ctx, torch.from_numpy(table[:-(-ctx // block_size)]).to(device),
                                            torch.from_numpy(mask).to(device)))
     groups = []
-    for k in (0, 1):
+    for k in (0,) if compiled_prefill else (0, 1):
         members = [i for i in order if kind(chunks[i]) == k]
         if members:
             groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], block_size, device,
@@ -133,7 +137,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
     prefill = None
     multi = [i for i in order if kind(chunks[i]) > 0]
-    if multi:
+    if multi and compiled_prefill:
         width = max(-(-(chunks[i].start + len(chunks[i].token_ids)) // block_size) for i in multi)
         tables = np.zeros((len(multi), width), dtype=np.int64)
         for r, i in enumerate(multi):

@@ -179,7 +179,7 @@ class LLMEngine:
             chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n],
                                r.num_computed_tokens, self.kv.block_table(r.request_id),
                                r.num_computed_tokens + n == r.num_tokens) for r, n in scheduled]
-            batch = build_batch(chunks, self.kv.block_size, self.device)
+            batch = build_batch(chunks, self.kv.block_size, self.device, self.model.compiled_prefill)
             logits = self.model.forward(batch)
             to_sample = [scheduled[i][0] for i in batch.sample_order]
             tokens, logprobs = sample(logits, to_sample) if to_sample else ([], [])

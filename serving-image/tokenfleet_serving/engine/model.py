@@ -95,7 +95,8 @@ class LlamaModel:
         # compiled C kernels (decode attention from the pool, fused norm), fp32 CPU only; None: PyTorch
         on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         self.kernels = cpu_kernels.load() if use_kernels and on_cpu_fp32 else None
-        # chunks of 2+ tokens through the compiled prefill attention (else SDPA over gathered blocks)
+        # whether chunks of 2+ tokens can go through the compiled prefill attention (build_batch's flag;
+        # else SDPA over gathered blocks)
         self.compiled_prefill = cpu_kernels.prefill_attends(self.kernels, config.head_dim)
         w = lambda name: weights[name].to(device=device, dtype=dtype).contiguous()
         cat = lambda *names: torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
@@ -188,8 +189,7 @@ class LlamaModel:
         c = self.config
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
-        compiled_prefill = self.compiled_prefill
-        if compiled_prefill and batch.prefill is not None:       # every chunk of 2+ tokens, keys from the pool
+        if batch.prefill is not None:                            # every chunk of 2+ tokens, keys from the pool
             p = batch.prefill
             cpu_kernels.prefill_attention(self.kernels, q, kv[0], kv[1], p.tables, p.q_rows, p.n_q, p.starts,
                                           out, self.scale)
@@ -199,14 +199,12 @@ class LlamaModel:
                                                    grp.block_ids.view(grp.num_seqs, -1), grp.context_lens,
                                                    grp.max_context, out, self.scale)
                 continue
-            if compiled_prefill:
-                continue
             res = self._paged_attention(q, kv, grp)
             if grp.out_rows is None:
                 out[:grp.num_seqs] = res
             else:
                 out.index_copy_(0, grp.out_rows, res)
-        for span in ([] if compiled_prefill else batch.long_spans):
+        for span in batch.long_spans:
             rows = slice(span.offset, span.offset + span.length)
             qs = q[rows].transpose(0, 1).unsqueeze(0)                                  # [1, H, n, hd]
             if span.block_ids is None:
@@ -228,8 +226,8 @@ class LlamaModel:
         KVH, hd = c.num_kv_heads, c.head_dim
         g = c.num_heads // KVH
         for grp in batch.groups:      # [P, 1, Q, L] -> [1, P, g*Q, L], matching the (g, Q) query order
-            if self.kernels is not None and (grp.q_len == 1 or self.compiled_prefill):
-                continue              # the C kernels take lengths, not a mask
+            if grp.q_len == 1 and self.kernels is not None:
+                continue              # the C decode kernel takes lengths, not a mask
             mask = grp.mask.to(self.dtype).squeeze(1)
             grp.mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
         x = self.embed[batch.input_ids]
