@@ -47,8 +47,8 @@ class Linear:
     """``y = x W^T + b``, by the fastest path this device has:
 
     * the compiled kernels' GEMM over a weight packed once into 16-column panels (fp32 on an AVX2 CPU, out
-      features a multiple of 16): 1.2-2x oneDNN on the few-row matmuls of decoding, even at thousands of
-      rows (measured in docs/engine.md);
+      features a multiple of 16): 1.2-2x oneDNN on the few-row matmuls of decoding and as fast at
+      thousands of rows (measured in docs/engine.md);
     * otherwise, for fp32 on CPU, oneDNN with the weight reordered once into its blocked layout: 1.5-2x the
       default BLAS call on those matmuls. oneDNN compiles and keeps a primitive (0.2-1.2 MB) per input
       shape, so the row counts it sees are bounded: up to ``SMALL`` rows are padded to a multiple of 8;
@@ -92,7 +92,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int, use_kernels: bool = True):
         self.config, self.dtype, self.device = config, dtype, device
-        # compiled C kernels (decode attention from the pool, fused norm), fp32 CPU only; None: PyTorch
+        # compiled C kernels (GEMM, attention over the pool, one-pass norm/SwiGLU/RoPE/KV write), fp32 CPU
+        # only; None: PyTorch
         on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         self.kernels = cpu_kernels.load() if use_kernels and on_cpu_fp32 else None
         # whether chunks of 2+ tokens can go through the compiled prefill attention (build_batch's flag;
