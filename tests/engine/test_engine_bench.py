@@ -23,5 +23,9 @@ def test_bench_engine_reports_every_field_consistently(llama_dir, tmp_path, caps
     assert abs(r["ttft_reduction"] - (1 - r["ttft_hit_s"] / r["ttft_cold_s"])) < 1e-9
     assert r["w3_cached_tokens"] == 40 - 40 % 16              # whole blocks of the shared prefix came from cache
     assert r["matmul_gflops"] > 0 and r["hardware"]["cores"] >= 1
+    # the roofline is the fastest matmul measured, the engine's own GEMM included where it has one
+    assert r["matmul_gflops"] == max(r["matmul_gflops_by_impl"].values())
+    assert "torch_matmul" in r["matmul_gflops_by_impl"]
+    assert r["roofline_matmul_gflops"] == max(r["matmul_gflops"], r["matmul_gflops_end"])
     printed = capsys.readouterr().out
     assert "W1 ratio vs transformers" in printed and "W3 TTFT reduction" in printed
