@@ -198,14 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     result: dict = {"model": str(args.model) if args.model else "reference (random Llama, 8x512, fp32)",
                     "hardware": hardware()}
-    by_impl = measure_matmul_flops()
-    matmul = max(by_impl.values())
-    result["matmul_gflops"] = matmul / 1e9
-    result["matmul_gflops_by_impl"] = {k: v / 1e9 for k, v in by_impl.items()}
 
+    def measure_roofline(when: str) -> None:
+        """matmul_gflops{when} (the fastest implementation) and matmul_gflops{when}_by_impl."""
+        by_impl = measure_matmul_flops()
+        result[f"matmul_gflops{when}"] = max(by_impl.values()) / 1e9
+        result[f"matmul_gflops{when}_by_impl"] = {k: v / 1e9 for k, v in by_impl.items()}
+
+    measure_roofline("")
     flops_w1 = args.requests * sequence_flops(config, args.prompt_len, args.output_len)
     out_tokens = args.requests * args.output_len
-    roofline = out_tokens / (flops_w1 / matmul)
     engine_args = dict(dtype="float32", device="cpu", max_num_batched_tokens=max(8192, args.prefix_len + args.new_len),
                        max_num_seqs=max(256, args.requests), kv_cache_bytes=1 << 30, num_threads=args.threads,
                        load_tokenizer=False)
@@ -216,16 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_hf:
             hf_runs.append(run_hf(model_dir, prompts, args.output_len))
     t_engine, engine_cores, engine_out, _ = min(engine_runs, key=lambda r: r[0])
-    result.update(engine_output_tok_s=out_tokens / t_engine, roofline_output_tok_s=roofline,
-                  engine_w1_cached_prompt_tokens=max(r[3] for r in engine_runs),
-                  roofline_fraction=out_tokens / t_engine / roofline, w1_model_gflop=flops_w1 / 1e9,
+    result.update(engine_output_tok_s=out_tokens / t_engine,
+                  engine_w1_cached_prompt_tokens=max(r[3] for r in engine_runs), w1_model_gflop=flops_w1 / 1e9,
                   engine_cpu_cores_used=engine_cores,
                   engine_output_tok_s_runs=[out_tokens / r[0] for r in engine_runs])
     if hf_runs:
         t_hf, hf_cores, hf_out = min(hf_runs, key=lambda r: r[0])
         result.update(hf_output_tok_s=out_tokens / t_hf, ratio_vs_hf=t_hf / t_engine, hf_cpu_cores_used=hf_cores,
                       hf_output_tok_s_runs=[out_tokens / r[0] for r in hf_runs],
-                      hf_roofline_fraction=out_tokens / t_hf / roofline,
                       greedy_match_hf=sum(a == b for a, b in zip(engine_out, hf_out)) / len(prompts))
 
     if engine.model.kernels is not None and not args.skip_pytorch_path:
@@ -235,29 +235,23 @@ def main(argv: list[str] | None = None) -> int:
         del plain
         result.update(engine_pytorch_path_output_tok_s=out_tokens / t_plain, kernels_speedup=t_plain / t_engine)
 
-    # the roofline is measured again right before W3's timings, next to the cold prefill it divides
-    by_impl_mid = measure_matmul_flops()
-    result["matmul_gflops_mid"] = max(by_impl_mid.values()) / 1e9
+    measure_roofline("_mid")                # again right before W3's timings, next to the cold prefill it divides
     w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, rng)
     cold_flops = sequence_flops(config, args.prefix_len + args.new_len, 1)
-    w3["prefill_roofline_fraction"] = (cold_flops / matmul) / w3["ttft_cold_s"]
     w3["w3_cold_model_gflop"] = cold_flops / 1e9
-    result.update(w3)
     result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
+    measure_roofline("_end")
     # The roofline uses the fastest of the start, middle and end measurements: on a shared machine a slow
     # measurement would flatter every fraction.
-    by_impl_end = measure_matmul_flops()
-    result["matmul_gflops_end"] = max(by_impl_end.values()) / 1e9
-    result["matmul_gflops_end_by_impl"] = {k: v / 1e9 for k, v in by_impl_end.items()}
-    matmul = max(matmul, result["matmul_gflops_mid"] * 1e9, result["matmul_gflops_end"] * 1e9)
+    matmul = max(result[f"matmul_gflops{when}"] for when in ("", "_mid", "_end")) * 1e9
     result["roofline_matmul_gflops"] = matmul / 1e9
     roofline = out_tokens / (flops_w1 / matmul)
     result["roofline_output_tok_s"] = roofline
     result["roofline_fraction"] = result["engine_output_tok_s"] / roofline
     if "hf_output_tok_s" in result:
         result["hf_roofline_fraction"] = result["hf_output_tok_s"] / roofline
-    w3["prefill_roofline_fraction"] = result["prefill_roofline_fraction"] = \
-        (cold_flops / matmul) / w3["ttft_cold_s"]
+    w3["prefill_roofline_fraction"] = (cold_flops / matmul) / w3["ttft_cold_s"]
+    result.update(w3)
 
     rows = [("matmul GFLOP/s (fp32, measured)", result["matmul_gflops"]),
             ("W1 transformers output tok/s", result.get("hf_output_tok_s")),
