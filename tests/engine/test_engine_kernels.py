@@ -21,16 +21,20 @@ from tokenfleet_serving.engine import cpu_kernels
 from tokenfleet_serving.engine.model import Linear
 
 
+def gathered(layer, table, n, heads):
+    """The first n keys (or values) of a sequence, gathered through its block table, one copy per query
+    head (GQA by repeating kv heads): [heads, n, head_dim]."""
+    kv_heads = layer.shape[0]
+    return layer[:, table].reshape(kv_heads, -1, layer.shape[-1])[:, :n].repeat_interleave(heads // kv_heads, 0)
+
+
 def reference_decode_attention(q, k_layer, v_layer, tables, lens, scale):
-    """Per sequence: gather its blocks, cut to its length, attend with SDPA (GQA by repeating kv heads)."""
-    heads, kv_heads = q.shape[1], k_layer.shape[0]
+    """Per sequence: gather its blocks, cut to its length, attend with SDPA."""
+    heads = q.shape[1]
     out = []
     for s in range(q.shape[0]):
         n = int(lens[s])
-        keys = k_layer[:, tables[s]].reshape(kv_heads, -1, k_layer.shape[-1])[:, :n]
-        vals = v_layer[:, tables[s]].reshape(kv_heads, -1, v_layer.shape[-1])[:, :n]
-        keys = keys.repeat_interleave(heads // kv_heads, 0)
-        vals = vals.repeat_interleave(heads // kv_heads, 0)
+        keys, vals = gathered(k_layer, tables[s], n, heads), gathered(v_layer, tables[s], n, heads)
         o = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys, vals, scale=scale)     # [H, 1, hd]
         out.append(o.reshape(-1))
     return torch.stack(out)
@@ -71,12 +75,11 @@ def test_decode_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, 
 
 def reference_prefill_attention(q, k_layer, v_layer, tables, q_rows, n_q, starts, scale):
     """Per chunk: gather its sequence's keys, attend causally from its start (query i sees keys <= start + i)."""
-    heads, kv_heads, hd = q.shape[1], k_layer.shape[0], q.shape[2]
+    heads, hd = q.shape[1], q.shape[2]
     out = torch.full((q.shape[0], heads * hd), float("nan"))
     for s in range(len(n_q)):
         n, start, row, count = int(starts[s] + n_q[s]), int(starts[s]), int(q_rows[s]), int(n_q[s])
-        keys = k_layer[:, tables[s]].reshape(kv_heads, -1, hd)[:, :n].repeat_interleave(heads // kv_heads, 0)
-        vals = v_layer[:, tables[s]].reshape(kv_heads, -1, hd)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        keys, vals = gathered(k_layer, tables[s], n, heads), gathered(v_layer, tables[s], n, heads)
         mask = torch.arange(n)[None, :] <= (start + torch.arange(count))[:, None]
         o = F.scaled_dot_product_attention(q[row:row + count].transpose(0, 1), keys, vals, attn_mask=mask, scale=scale)
         out[row:row + count] = o.transpose(0, 1).reshape(count, heads * hd)
