@@ -53,7 +53,9 @@ stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK/kustomize/stage"
 rm -rf "$BIN/kwok-stages"; mkdir -p "$BIN/kwok-stages"
 cp -r "$stages"/. "$BIN/kwok-stages/"; chmod -R u+w "$BIN/kwok-stages"
 "$BIN/kube-apiserver" --version
-"$BIN/etcd" --version | head -1
-"$BIN/kwok" --version 2>/dev/null | head -1 || true
+# sed reads all of the output: with head, etcd could die of SIGPIPE while
+# printing its later lines, and pipefail turned that into exit 141.
+"$BIN/etcd" --version | sed -n 1p
+"$BIN/kwok" --version 2>/dev/null | sed -n 1p || true
 echo "$STAMP" > "$BIN/.stamp"
 step "done; binaries in $BIN ($(du -sh "$BIN" | cut -f1))"
