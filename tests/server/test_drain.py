@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ProcessServer, http
+from server_harness import MODEL_NAME, ProcessServer, http, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -46,17 +46,28 @@ def _stream_all(base_url: str, n: int, max_tokens: int, started: threading.Barri
     return threads, results
 
 
-def test_sigterm_drains_under_load_and_loses_nothing(tiny_model):
-    n, max_tokens = 8, 120
-    srv = ProcessServer(tiny_model, "--drain-timeout", "60")
+def test_sigterm_drains_under_load_and_loses_nothing(tmp_path):
+    from tokenfleet_serving.testing_models import create_random_checkpoint
+
+    # Long enough to be still in flight when the probes below run, however fast the engine: with 120
+    # tokens the tiny model finished everything within the 0.3 s this test used to wait, and the server
+    # had exited before the probe (seen in CI after the engine got faster).
+    n, max_tokens = 8, 600
+    model = create_random_checkpoint(tmp_path / "long", max_position_embeddings=1024)
+    srv = ProcessServer(model, "--drain-timeout", "60")
     try:
         started = threading.Barrier(n + 1)
         threads, results = _stream_all(srv.base_url, n, max_tokens, started)
         started.wait(60)                                   # every request has produced tokens
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        status, _, body = http("GET", f"{srv.base_url}/ready")
+
+        def not_ready():
+            answer = http("GET", f"{srv.base_url}/ready")
+            return answer if answer[0] != 200 else None
+
+        status, _, body = wait_until(not_ready, timeout=10, interval=0.02, what="readiness to drop")
         assert status == 503 and json.loads(body)["reason"] == "draining"
+        assert any(t.is_alive() for t in threads)          # the probes ran while requests were in flight
         status, headers, body = http("POST", f"{srv.base_url}/v1/completions",
                                      {"model": MODEL_NAME, "prompt": "late", "max_tokens": 2})
         assert status == 503 and json.loads(body)["error"]["code"] == 503
