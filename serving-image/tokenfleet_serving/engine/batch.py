@@ -72,6 +72,9 @@ class StepBatch:
     logits_rows: torch.Tensor   # rows whose logits are sampled
     sample_order: list[int]     # chunk index for each logits row
     prefill: PrefillChunks | None = None
+    # the sampled chunks of ``prefill`` cut to their last token: in the last layer the other rows only had
+    # keys and values to store, so only these query rows (and the decodes) need attention and the MLP
+    prefill_sampled: PrefillChunks | None = None
 
 
 def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, contiguous: bool) -> PagedGroup:
@@ -135,7 +138,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
             groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], block_size, device,
                                  contiguous=(k == 0)))
     t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
-    prefill = None
+    prefill = prefill_sampled = None
     multi = [i for i in order if kind(chunks[i]) > 0]
     if multi and compiled_prefill:
         width = max(-(-(chunks[i].start + len(chunks[i].token_ids)) // block_size) for i in multi)
@@ -145,7 +148,13 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
             tables[r, :len(table)] = table
         prefill = PrefillChunks(t([offsets[i] for i in multi]), t([len(chunks[i].token_ids) for i in multi]),
                                 t([chunks[i].start for i in multi]), torch.from_numpy(tables).to(device))
+        sampled = [r for r, i in enumerate(multi) if chunks[i].sample]
+        if sampled:
+            ends = [offsets[multi[r]] + len(chunks[multi[r]].token_ids) - 1 for r in sampled]
+            prefill_sampled = PrefillChunks(t(ends), t([1] * len(sampled)),
+                                            t([chunks[multi[r]].start + len(chunks[multi[r]].token_ids) - 1
+                                               for r in sampled]), torch.from_numpy(tables[sampled]).to(device))
     return StepBatch(
         input_ids=t(ids), positions=t(np.concatenate(pos) if pos else []),
         slots=t(np.concatenate(slots) if slots else []), groups=groups, long_spans=long_spans,
-        logits_rows=t(rows), sample_order=sample_order, prefill=prefill)
+        logits_rows=t(rows), sample_order=sample_order, prefill=prefill, prefill_sampled=prefill_sampled)

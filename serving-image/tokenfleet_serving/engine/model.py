@@ -186,12 +186,14 @@ class LlamaModel:
         out = out.view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
         return out if grp.valid is None else out.index_select(0, grp.valid)
 
-    def _attention(self, q, k, v, kv, batch: StepBatch) -> torch.Tensor:
+    def _attention(self, q, k, v, kv, batch: StepBatch, sampled_only: bool = False) -> torch.Tensor:
+        """Attention output [rows, heads * head_dim]; with ``sampled_only`` the compiled prefill computes only
+        the sampled rows of its chunks (the other prefill rows of the result are left unset)."""
         c = self.config
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
-        if batch.prefill is not None:                            # every chunk of 2+ tokens, keys from the pool
-            p = batch.prefill
+        p = batch.prefill_sampled if sampled_only else batch.prefill
+        if p is not None:                                        # chunks of 2+ tokens, keys from the pool
             cpu_kernels.prefill_attention(self.kernels, q, kv[0], kv[1], p.tables, p.q_rows, p.n_q, p.starts,
                                           out, self.scale)
         for grp in batch.groups:
@@ -235,8 +237,11 @@ class LlamaModel:
         if self.kernels is None:
             cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]
-        pieces = [slice(i, i + Linear.PIECE) for i in range(0, T, Linear.PIECE)]
-        for layer, kv in zip(self.layers, self.kv_layers):
+        # In the last layer only the sampled rows go on past the KV write: the others' output would feed
+        # nothing but logits nobody reads (for a prompt chunk, all its rows but the last).
+        trim = not all_logits and batch.logits_rows.shape[0] < T
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, self.kv_layers)):
             h = self._rms_norm(x, layer["ln1"])
             qkv = layer["qkv"](h)
             qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, hd)                          # q and k at once
@@ -251,10 +256,15 @@ class LlamaModel:
             else:
                 kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
                 kv[1].view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
-            attn = self._attention(q, k, v, kv, batch)
-            for r in pieces:            # row pieces bound the MLP's wide intermediates
+            if i == last and trim:
+                attn = self._attention(q, k, v, kv, batch, sampled_only=True).index_select(0, batch.logits_rows)
+                x = x.index_select(0, batch.logits_rows)
+            else:
+                attn = self._attention(q, k, v, kv, batch)
+            for r in range(0, x.shape[0], Linear.PIECE):       # row pieces bound the MLP's wide intermediates
+                r = slice(r, r + Linear.PIECE)
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
                 x[r] += layer["down"](self._silu_mul(layer["gate_up"](h)))
-        if not all_logits:
+        if not all_logits and not trim:
             x = x[batch.logits_rows]
         return self.lm_head(self._rms_norm(x, self.norm)).float()
