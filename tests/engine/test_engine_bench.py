@@ -29,3 +29,24 @@ def test_bench_engine_reports_every_field_consistently(llama_dir, tmp_path, caps
     assert r["roofline_matmul_gflops"] == max(r["matmul_gflops"], r["matmul_gflops_mid"], r["matmul_gflops_end"])
     printed = capsys.readouterr().out
     assert "W1 ratio vs transformers" in printed and "W3 TTFT reduction" in printed
+
+
+def test_model_flops_count_what_the_output_needs_token_by_token():
+    from tokenfleet_serving.engine.config import parse_model_config
+
+    c = parse_model_config(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100,
+                                   hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    hd, q, kv = c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    full_layer = 2 * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    kv_projection = 2 * c.hidden_size * 2 * kv
+    for prompt, output, cached in ((10, 4, 0), (10, 1, 0), (33, 5, 16), (17, 3, 16)):
+        expected = 0
+        for pos in range(cached, prompt + output - 1):              # every token that goes through the model
+            for layer in range(c.num_layers):
+                if layer == c.num_layers - 1 and pos < prompt - 1:  # only its key and value are read later
+                    expected += kv_projection
+                else:
+                    expected += full_layer + 4 * (pos + 1) * c.num_heads * hd
+        expected += output * 2 * c.hidden_size * c.vocab_size      # one lm_head row per generated token
+        assert bench.sequence_flops(c, prompt, output, cached) == expected, (prompt, output, cached)

@@ -50,11 +50,18 @@ def attention_flops(c: ModelConfig, num_keys: int) -> int:
 
 
 def sequence_flops(c: ModelConfig, prompt_len: int, output_len: int, cached: int = 0) -> int:
-    """Model FLOPs to prefill ``prompt_len`` tokens (``cached`` of them from cache) and generate ``output_len``:
-    every computed token pays the linears and causal attention; one lm_head row per generated token."""
-    computed = range(cached + 1, prompt_len + output_len)       # keys attended by each computed token
-    return ((prompt_len + output_len - 1 - cached) * linear_flops_per_token(c)
-            + sum(attention_flops(c, k) for k in computed) + output_len * lm_head_flops(c))
+    """Model FLOPs needed to prefill ``prompt_len`` tokens (``cached`` of them from cache) and generate
+    ``output_len``: every computed token pays the linears and causal attention of every layer, except that
+    in the last layer a prompt token before the last needs only its key and value projections (nothing
+    reads its output there, and the engine skips the rest); one lm_head row per generated token."""
+    computed = prompt_len + output_len - 1 - cached
+    kv_only = max(prompt_len - 1 - cached, 0)                  # prompt tokens whose last-layer output is unused
+    layer = linear_flops_per_token(c) // c.num_layers
+    kv_projection = 2 * c.hidden_size * 2 * c.num_kv_heads * c.head_dim
+    attention = (sum(attention_flops(c, k) for k in range(cached + 1, prompt_len + output_len))
+                 - sum(attention_flops(c, k) // c.num_layers for k in range(cached + 1, cached + 1 + kv_only)))
+    return (computed * linear_flops_per_token(c) - kv_only * (layer - kv_projection) + attention
+            + output_len * lm_head_flops(c))
 
 
 # ---- hardware ----------------------------------------------------------------
