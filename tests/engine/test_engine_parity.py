@@ -125,3 +125,29 @@ def test_mixed_step_of_decodes_short_and_long_prefills_matches_transformers(llam
     outs = eng.generate(batch, GREEDY)
     for prompt, out in zip(batch, outs):
         assert out.new_token_ids == hf_greedy(hf_models["llama"], prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch"])
+@pytest.mark.parametrize("long_chunk", [512, 8], ids=["padded-groups", "sdpa-spans"])
+def test_last_layer_on_sampled_rows_only_gives_the_full_logits(llama_dir, long_chunk, kernels, monkeypatch):
+    # The last layer runs attention and the MLP only for rows that are sampled; their logits must be those of
+    # the full computation, in a step mixing decodes, a finishing prompt chunk and one that does not sample.
+    monkeypatch.setattr(batch_module, "LONG_CHUNK", long_chunk)
+    eng = engine(llama_dir, cpu_kernels=kernels)
+    model, bs = eng.model, eng.kv.block_size
+    seqs = prompts(11, 4, 40, 41)
+    tables = [eng.kv.pool.allocate(-(-len(p) // bs)) for p in seqs]
+    # fill each sequence's cache up to where this step starts (its first 30 tokens, or 10 for the last two)
+    starts = [30, 30, 10, 10]
+    for p, table, start in zip(seqs, tables, starts):
+        model.forward(build_batch([SeqChunk(p[:start], 0, table, True)], bs, model.device, model.compiled_prefill))
+    chunks = [SeqChunk(seqs[0][30:31], 30, tables[0], True),             # decodes
+              SeqChunk(seqs[1][30:31], 30, tables[1], True),
+              SeqChunk(seqs[2][10:40], 10, tables[2], True),             # a prompt chunk that ends its prompt
+              SeqChunk(seqs[3][10:25], 10, tables[3], False)]            # a chunk in the middle of a prompt
+    step = build_batch(chunks, bs, model.device, model.compiled_prefill)
+    assert step.logits_rows.shape[0] == 3 < step.input_ids.shape[0]
+    trimmed = model.forward(step)
+    full = model.forward(step, all_logits=True)[step.logits_rows]
+    assert trimmed.shape == full.shape
+    assert (trimmed - full).abs().max() < 1e-5

@@ -42,6 +42,7 @@ class PagedGroup:
     mask: torch.Tensor               # [num_seqs, 1, q_len, keys] additive (0 / -inf)
     context_lens: torch.Tensor       # [num_seqs] keys each sequence attends (its new tokens included)
     max_context: int
+    sdpa_mask: torch.Tensor | None = None    # ``mask`` as the model's SDPA call takes it (set by the model)
 
 
 @dataclass

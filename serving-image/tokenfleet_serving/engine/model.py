@@ -182,7 +182,7 @@ class LlamaModel:
         qg = qg.view(P, Q, KVH, g, hd).permute(2, 0, 3, 1, 4).reshape(KVH, P, g * Q, hd)
         keys, vals = self._gather(kv, grp.block_ids)
         keys, vals = keys.view(KVH, P, -1, hd), vals.view(KVH, P, -1, hd)             # [KVH, P, L, hd]
-        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=grp.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=grp.sdpa_mask, scale=self.scale)
         out = out.view(KVH, P, g, Q, hd).permute(1, 3, 0, 2, 4).reshape(P * Q, -1)
         return out if grp.valid is None else out.index_select(0, grp.valid)
 
@@ -231,8 +231,9 @@ class LlamaModel:
         for grp in batch.groups:      # [P, 1, Q, L] -> [1, P, g*Q, L], matching the (g, Q) query order
             if grp.q_len == 1 and self.kernels is not None:
                 continue              # the C decode kernel takes lengths, not a mask
-            mask = grp.mask.to(self.dtype).squeeze(1)
-            grp.mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
+            if grp.sdpa_mask is None:
+                mask = grp.mask.to(self.dtype).squeeze(1)
+                grp.sdpa_mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
         x = self.embed[batch.input_ids]
         if self.kernels is None:
             cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
