@@ -286,7 +286,7 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
     # the kernel packs every chunk's keys and values (a layer's worth of their sequences' cache): chunks go
     # in groups whose packed copy stays under PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
-    floats = (2 * kv_heads * head_dim * ((starts + n_q + GEMM_PANEL - 1) // GEMM_PANEL * GEMM_PANEL)).tolist()
+    floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in (starts + n_q).tolist()]
     first = 0
     while first < seqs:
         last, total = first + 1, floats[first]

@@ -404,6 +404,7 @@ int tf_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pane
 #define ATTN_ROWS 96            /* query rows (tokens x grouped heads) per work item */
 #define ATTN_KEYS 256           /* keys per step of a work item (a multiple of 16) */
 
+#if defined(__AVX2__) && defined(__FMA__)
 /* A per-thread buffer kept across calls and grown as needed (the calling threads are torch's OpenMP pool,
  * which lives as long as the process): fresh buffers of hundreds of KB per call cost page faults. It is
  * 64-byte aligned, as the GEMM tiles' aligned panel loads need. */
@@ -420,32 +421,68 @@ static float *thread_buffer(size_t floats)
     return buf;
 }
 
-/* Keys from..to-1 (to - from a multiple of 16) of kv head `head` (at head offset `at` of the pool
- * layers k, v) of the sequence with block table `table` and n keys, into key panels kp
- * [(to - from) / 16][head_dim][16] and value panels vp [head_dim / 16][to - from][16]; keys from n on
- * are zeros. With `ahead` > 0 it also asks for the same row `ahead` keys on (keys still to pack), one
- * row per row packed: their blocks are scattered over the pool, where the hardware prefetcher stops. */
+/* dst[c * dst_stride + j] = rows[j][c] for j, c < 8: eight rows' floats 0..7 as eight columns. */
+static inline void transpose8(const float *const *rows, float *dst, int64_t dst_stride)
+{
+    __m256 r[8], t[8], u[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(rows[j]);
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);           /* rows j, j+1 interleaved: columns 0 1 | 4 5 */
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);       /* columns 2 3 | 6 7 */
+    }
+    for (int j = 0; j < 8; j += 4) {                         /* four rows' column c in each half of u */
+        u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);      /* 0 | 4 */
+        u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);  /* 1 | 5 */
+        u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);  /* 2 | 6 */
+        u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);  /* 3 | 7 */
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+    }
+}
+
+/* Keys from..to-1 (from and to multiples of 16) of one kv head (at offset `at` in the pool layers k, v) of
+ * the sequence with block table `table` and n keys, into key panels kp [(to - from) / 16][head_dim][16]
+ * and value panels vp [head_dim / 16][to - from][16]; keys from n on are zeros. With `ahead` > 0 it also
+ * asks for the same row `ahead` keys on (keys still to pack), one row per row packed: their blocks are
+ * scattered over the pool, where the hardware prefetcher stops. Keys go eight at a time through an 8 x 8
+ * transpose (head_dim is a multiple of 16). */
 static void pack_kv(const float *k, const float *v, const int64_t *table, int64_t at, int64_t from, int64_t to,
                     int64_t n, int64_t head_dim, int64_t block_size, int64_t ahead, float *kp, float *vp)
 {
     const int64_t width = to - from;
-    for (int64_t i = from; i < to; i++) {
-        float *kd = kp + (i - from) / 16 * head_dim * 16 + i % 16, *vd = vp + (i - from) * 16;
-        if (i < n) {
-            const int64_t row = at + (table[i / block_size] * block_size + i % block_size) * head_dim;
+    for (int64_t i0 = from; i0 < to; i0 += 8) {
+        const float *rows[8];
+        for (int64_t i = i0; i < i0 + 8; i++) {
+            float *vd = vp + (i - from) * 16;
+            if (i >= n) {
+                for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memset(vd + d0 * width, 0, 16 * sizeof(float));
+                continue;
+            }
+            rows[i - i0] = k + at + (table[i / block_size] * block_size + i % block_size) * head_dim;
+            const float *vrow = v + (rows[i - i0] - k);
             if (ahead > 0 && i + ahead < n) {
                 const int64_t later = at + (table[(i + ahead) / block_size] * block_size + (i + ahead) % block_size) * head_dim;
                 prefetch(k + later, head_dim);
                 prefetch(v + later, head_dim);
             }
-            for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = k[row + d];
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memcpy(vd + d0 * width, v + row + d0, 16 * sizeof(float));
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memcpy(vd + d0 * width, vrow + d0, 16 * sizeof(float));
+        }
+        float *kd = kp + (i0 - from) / 16 * head_dim * 16 + i0 % 16;
+        if (i0 + 8 <= n) {
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const float *at_d[8];
+                for (int j = 0; j < 8; j++) at_d[j] = rows[j] + d;
+                transpose8(at_d, kd + d * 16, 16);
+            }
         } else {
-            for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = 0.0f;
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memset(vd + d0 * width, 0, 16 * sizeof(float));
+            for (int64_t i = i0; i < i0 + 8; i++)
+                for (int64_t d = 0; d < head_dim; d++) kd[d * 16 + i - i0] = i < n ? rows[i - i0][d] : 0.0f;
         }
     }
 }
+#endif
 
 int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                          const int64_t *tables, int64_t table_width, const int64_t *q_row, const int64_t *n_q,
