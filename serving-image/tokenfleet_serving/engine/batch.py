@@ -61,6 +61,7 @@ class PrefillChunks:
     n_q: torch.Tensor           # [P] its tokens
     starts: torch.Tensor        # [P] tokens of its sequence already cached before it
     tables: torch.Tensor        # [P, width] block tables, padded
+    ends: list[int]             # [P] starts + n_q: keys each chunk's sequence has after it
 
 
 @dataclass
@@ -73,6 +74,8 @@ class StepBatch:
     logits_rows: torch.Tensor   # rows whose logits are sampled
     sample_order: list[int]     # chunk index for each logits row
     prefill: PrefillChunks | None = None
+    position_range: tuple[int, int] = (0, 0)     # smallest and largest of ``positions`` (and of ``slots``:
+    slot_range: tuple[int, int] = (0, 0)         # the kernels check their bounds once, not per layer)
     # the sampled chunks of ``prefill`` cut to their last token: in the last layer the other rows only had
     # keys and values to store, so only these query rows (and the decodes) need attention and the MLP
     prefill_sampled: PrefillChunks | None = None
@@ -147,15 +150,18 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
         for r, i in enumerate(multi):
             table = chunks[i].block_table[:width]
             tables[r, :len(table)] = table
+        ends = [chunks[i].start + len(chunks[i].token_ids) for i in multi]
         prefill = PrefillChunks(t([offsets[i] for i in multi]), t([len(chunks[i].token_ids) for i in multi]),
-                                t([chunks[i].start for i in multi]), torch.from_numpy(tables).to(device))
+                                t([chunks[i].start for i in multi]), torch.from_numpy(tables).to(device), ends)
         sampled = [r for r, i in enumerate(multi) if chunks[i].sample]
         if sampled:
-            ends = [offsets[multi[r]] + len(chunks[multi[r]].token_ids) - 1 for r in sampled]
-            prefill_sampled = PrefillChunks(t(ends), t([1] * len(sampled)),
-                                            t([chunks[multi[r]].start + len(chunks[multi[r]].token_ids) - 1
-                                               for r in sampled]), torch.from_numpy(tables[sampled]).to(device))
+            last_rows = [offsets[multi[r]] + len(chunks[multi[r]].token_ids) - 1 for r in sampled]
+            prefill_sampled = PrefillChunks(t(last_rows), t([1] * len(sampled)), t([ends[r] - 1 for r in sampled]),
+                                            torch.from_numpy(tables[sampled]).to(device), [ends[r] for r in sampled])
+    positions = np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
+    slots = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+    span = lambda a: (int(a.min()), int(a.max())) if len(a) else (0, 0)
     return StepBatch(
-        input_ids=t(ids), positions=t(np.concatenate(pos) if pos else []),
-        slots=t(np.concatenate(slots) if slots else []), groups=groups, long_spans=long_spans,
-        logits_rows=t(rows), sample_order=sample_order, prefill=prefill, prefill_sampled=prefill_sampled)
+        input_ids=t(ids), positions=t(positions), slots=t(slots), groups=groups, long_spans=long_spans,
+        logits_rows=t(rows), sample_order=sample_order, prefill=prefill, prefill_sampled=prefill_sampled,
+        position_range=span(positions), slot_range=span(slots))

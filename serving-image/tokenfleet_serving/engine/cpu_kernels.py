@@ -223,9 +223,10 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
 
 
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor,
-             v_layer: torch.Tensor) -> None:
+             v_layer: torch.Tensor, slot_range: tuple[int, int] | None = None) -> None:
     """Store ``k`` and ``v`` [rows, kv_heads, head_dim] (fp32; rows may be strided) at cache slots ``slots``
-    [rows] of one layer's pool, ``k_layer`` / ``v_layer`` [kv_heads, blocks, block_size, head_dim]."""
+    [rows] of one layer's pool, ``k_layer`` / ``v_layer`` [kv_heads, blocks, block_size, head_dim].
+    ``slot_range`` (smallest, largest slot), where the caller knows it, saves two reductions per call."""
     rows, kv_heads, head_dim = k.shape
     _require(k.dtype == v.dtype == k_layer.dtype == v_layer.dtype == torch.float32 and v.shape == k.shape
              and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim,
@@ -233,22 +234,28 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     _require(k_layer.is_contiguous() and v_layer.is_contiguous() and k_layer.shape == v_layer.shape
              and k_layer.shape[0] == kv_heads and k_layer.shape[3] == head_dim, "contiguous cache layers")
     per_head = k_layer.shape[1] * k_layer.shape[2]
+    if rows and slot_range is None:
+        slot_range = int(slots.min()), int(slots.max())
     _require(slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
-             and (rows == 0 or (int(slots.min()) >= 0 and int(slots.max()) < per_head)), "int64 slots in the pool")
+             and (rows == 0 or (slot_range[0] >= 0 and slot_range[1] < per_head)), "int64 slots in the pool")
     lib.tf_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), rows,
                     k_layer.data_ptr(), v_layer.data_ptr(), kv_heads, per_head, head_dim)
 
 
-def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-          ) -> None:
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+          position_range: tuple[int, int] | None = None) -> None:
     """Rotate ``x`` [rows, heads, head_dim] (fp32; rows may be strided, heads contiguous) in place by the
-    rows of the ``cos`` / ``sin`` tables [max_positions, head_dim] that ``positions`` [rows] pick."""
+    rows of the ``cos`` / ``sin`` tables [max_positions, head_dim] that ``positions`` [rows] pick.
+    ``position_range`` (smallest, largest position), where the caller knows it, saves two reductions."""
     rows, heads, head_dim = x.shape
     _require(x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == head_dim
              and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
              "fp32 rows of contiguous heads and cos/sin tables of their width")
+    if rows and position_range is None:
+        position_range = int(positions.min()), int(positions.max())
     _require(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (rows,)
-             and (rows == 0 or int(positions.max()) < cos.shape[0]), "int64 positions within the tables")
+             and (rows == 0 or 0 <= position_range[0] <= position_range[1] < cos.shape[0]),
+             "int64 positions within the tables")
     lib.tf_rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                 positions.data_ptr())
 
@@ -270,10 +277,11 @@ def prefill_attends(lib: ctypes.CDLL | None, head_dim: int) -> bool:
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                       tables: torch.Tensor, q_rows: torch.Tensor, n_q: torch.Tensor, starts: torch.Tensor,
-                      out: torch.Tensor, scale: float) -> None:
+                      out: torch.Tensor, scale: float, ends: list[int] | None = None) -> None:
     """Write into ``out`` [rows, heads * head_dim] the attention of prefill chunks: chunk s is ``n_q[s]``
     query rows of ``q`` [rows, heads, head_dim] from row ``q_rows[s]``, at positions ``starts[s]``.., each
-    attending its sequence's keys up to its own position through ``tables[s]`` (keys already in the pool)."""
+    attending its sequence's keys up to its own position through ``tables[s]`` (keys already in the pool).
+    ``ends`` (``starts + n_q`` as ints), where the caller has it, saves a tensor op per call."""
     rows, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_layer.shape
     _require(prefill_attends(lib, head_dim), "an AVX2 build and head_dim a multiple of 16")
@@ -286,7 +294,8 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
     # the kernel packs every chunk's keys and values (a layer's worth of their sequences' cache): chunks go
     # in groups whose packed copy stays under PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
-    floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in (starts + n_q).tolist()]
+    ends = (starts + n_q).tolist() if ends is None else ends
+    floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in ends]
     first = 0
     while first < seqs:
         last, total = first + 1, floats[first]

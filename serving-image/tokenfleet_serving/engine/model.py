@@ -195,7 +195,7 @@ class LlamaModel:
         p = batch.prefill_sampled if sampled_only else batch.prefill
         if p is not None:                                        # chunks of 2+ tokens, keys from the pool
             cpu_kernels.prefill_attention(self.kernels, q, kv[0], kv[1], p.tables, p.q_rows, p.n_q, p.starts,
-                                          out, self.scale)
+                                          out, self.scale, p.ends)
         for grp in batch.groups:
             if grp.q_len == 1 and self.kernels is not None:          # the decode group: rows 0..num_seqs-1
                 cpu_kernels.paged_decode_attention(self.kernels, q[:grp.num_seqs], kv[0], kv[1],
@@ -247,13 +247,13 @@ class LlamaModel:
             qkv = layer["qkv"](h)
             qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, hd)                          # q and k at once
             if self.kernels is not None:
-                cpu_kernels.rope_(self.kernels, qk, self.cos, self.sin, batch.positions)       # in place
+                cpu_kernels.rope_(self.kernels, qk, self.cos, self.sin, batch.positions, batch.position_range)
             else:
                 qk = self._rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, hd)
             if self.kernels is not None:
-                cpu_kernels.write_kv(self.kernels, k, v, batch.slots, kv[0], kv[1])
+                cpu_kernels.write_kv(self.kernels, k, v, batch.slots, kv[0], kv[1], batch.slot_range)
             else:
                 kv[0].view(KVH, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
                 kv[1].view(KVH, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
