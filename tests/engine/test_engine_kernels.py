@@ -378,10 +378,11 @@ def test_the_kv_pool_is_zeroed_and_backed_by_huge_pages_where_linux_allows(llama
 
     eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", device="cpu", kv_cache_bytes=32 << 20)
     pool = eng.model.kv_pool
-    assert pool.numel() * 4 >= 16 << 20 and not pool.any()           # zeroed after the advice, as before
-    # the advice itself: accepted for a fresh CPU buffer, refused for one too small to hold a huge page
-    assert cpu_kernels.advise_huge_pages(torch.empty(8 << 20)) is True
-    assert cpu_kernels.advise_huge_pages(torch.empty(1000)) is False
+    assert pool.numel() * 4 >= 16 << 20 and not pool.any()           # zeroed, as torch.zeros was
+    assert pool.data_ptr() % (2 << 20) == 0 and pool.is_contiguous()
+    pool[-1, -1, -1, -1, -1, -1] = 7.0                                 # writable to its last float
+    assert pool.sum() == 7.0
+    pool[-1, -1, -1, -1, -1, -1] = 0.0
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     if "[never]" not in mode:   # madvise or always: the scattered 4 KB blocks sit in 2 MB pages
         assert _anon_huge_kb(pool.data_ptr() + pool.numel() * 2) >= 2048

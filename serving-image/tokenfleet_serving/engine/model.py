@@ -136,9 +136,10 @@ class LlamaModel:
         """Allocate the pool; returns its size in bytes."""
         c = self.config
         shape = (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim)
-        pool = torch.empty(shape, dtype=self.dtype, device=self.device)
-        cpu_kernels.advise_huge_pages(pool)         # before the first touch, which zero_ is
-        pool.zero_()
+        if self.device.type == "cpu":
+            pool = cpu_kernels.huge_page_zeros(shape, self.dtype)
+        else:
+            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_layers = [pool[i] for i in range(c.num_layers)]
         self.block_size = block_size
         self.kv_pool = pool
