@@ -85,8 +85,8 @@ class StepBatch:
     logits_rows: torch.Tensor   # rows whose logits are sampled
     sample_order: list[int]     # chunk index for each logits row
     prefill: PrefillChunks | None = None
-    position_range: tuple[int, int] = (0, 0)     # smallest and largest of ``positions`` (and of ``slots``:
-    slot_range: tuple[int, int] = (0, 0)         # the kernels check their bounds once, not per layer)
+    position_range: tuple[int, int] | None = None    # smallest and largest of ``positions`` and ``slots``
+    slot_range: tuple[int, int] | None = None        # (None: unknown), so kernels check bounds once per step
     # the sampled chunks of ``prefill`` cut to their last token: in the last layer the other rows only had
     # keys and values to store, so only these query rows (and the decodes) need attention and the MLP
     prefill_sampled: PrefillChunks | None = None

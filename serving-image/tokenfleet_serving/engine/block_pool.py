@@ -21,21 +21,26 @@ from collections.abc import Sequence
 ROOT_HASH = bytes(32)
 
 
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _chain(parent: bytes, block_bytes: bytes) -> bytes:
+    return hashlib.sha256(parent + block_bytes).digest()
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+    return _chain(parent, _token_bytes(token_ids))
 
 
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, start: int = 0,
                        parent: bytes = ROOT_HASH) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids`` from block index ``start`` (the same as
-    ``hash_block`` block by block; the token bytes are packed in one call, a third of the time)."""
-    end = len(token_ids) // block_size
-    if end <= start:
-        return []
-    data = struct.pack(f"<{(end - start) * block_size}I", *token_ids[start * block_size:end * block_size])
-    width, sha256, hashes = 4 * block_size, hashlib.sha256, []
+    """Chained hashes of the full blocks of ``token_ids`` from block index ``start`` (``hash_block`` block by
+    block, with the token bytes packed in one call: about half the time for a long prompt)."""
+    end = max(len(token_ids) // block_size, start)
+    data, width, hashes = _token_bytes(token_ids[start * block_size:end * block_size]), 4 * block_size, []
     for i in range(end - start):
-        parent = sha256(parent + data[i * width:(i + 1) * width]).digest()
+        parent = _chain(parent, data[i * width:(i + 1) * width])
         hashes.append(parent)
     return hashes
 

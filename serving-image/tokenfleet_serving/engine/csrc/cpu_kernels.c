@@ -511,7 +511,7 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++)
             for (int64_t h = 0; h < num_kv_heads; h++) {
-                if (panels_at[s + 1] == panels_at[s]) continue;
+                if ((n_q[s] + tokens_per_item - 1) / tokens_per_item == 1) continue;   /* packs in its item */
                 const int64_t n = starts[s] + n_q[s], keys = (n + 15) / 16 * 16;
                 float *kp = scratch + panels_at[s] + 2 * h * keys * head_dim;
                 pack_kv(k, v, tables + s * table_width, h * head_stride, 0, keys, n, head_dim, block_size, block_size,
