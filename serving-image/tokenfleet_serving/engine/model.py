@@ -265,8 +265,8 @@ class LlamaModel:
                 x = x.index_select(0, batch.logits_rows)
             else:
                 attn = self._attention(q, k, v, kv, batch)
-            for r in range(0, x.shape[0], Linear.PIECE):       # row pieces bound the MLP's wide intermediates
-                r = slice(r, r + Linear.PIECE)
+            for start in range(0, x.shape[0], Linear.PIECE):   # row pieces bound the MLP's wide intermediates
+                r = slice(start, start + Linear.PIECE)
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
                 x[r] += layer["down"](self._silu_mul(layer["gate_up"](h)))
         if not all_logits and not trim:

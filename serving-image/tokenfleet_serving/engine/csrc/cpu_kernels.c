@@ -398,7 +398,8 @@ int tf_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pane
  *
  * Sequence s: n_q[s] queries in rows q_row[s].. of q and out ([rows][num_heads][head_dim], rows q_stride /
  * out_stride apart), at positions starts[s].., with its block table at tables + s * table_width. `scratch`
- * holds 2 * num_kv_heads * head_dim * (sum over s of round16(starts[s] + n_q[s])) floats.
+ * holds 2 * num_kv_heads * head_dim * (sum over s of round16(starts[s] + n_q[s])) floats (what the sequences
+ * that share packed keys use of it; the caller need not know which those are).
  * head_dim must be a multiple of 16. Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory.
  */
 #define ATTN_ROWS 96            /* query rows (tokens x grouped heads) per work item */
