@@ -7,7 +7,10 @@
 * RMSNorm fused with the residual add before it (one pass instead of torch's six small ops), the SwiGLU
   activation silu(gate) * up, the rotary embedding and the KV-cache write, each in one pass;
 * the linear layers' matmul over weights packed once into 16-column panels (AVX2 + FMA builds only),
-  which beats oneDNN on the few-row matmuls of decoding.
+  which beats oneDNN on the few-row matmuls of decoding;
+* prefill attention over the pool for every chunk of 2+ tokens of a step (AVX2 + FMA builds only).
+
+``huge_page_zeros`` allocates the KV pool in transparent huge pages, for the decode kernel's scattered reads.
 
 The shared library is cached under ``$TOKENFLEET_KERNEL_CACHE`` (default ``~/.cache/tokenfleet/kernels``),
 keyed by a hash of the source and the flags, so a source change rebuilds it, an image can ship it
@@ -321,8 +324,9 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
     seqs = n_q.shape[0]
     _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == seqs
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
-    # the kernel packs every chunk's keys and values (a layer's worth of their sequences' cache): chunks go
-    # in groups whose packed copy stays under PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
+    # the kernel may pack a chunk's keys and values once (a layer's worth of its sequence's cache) for the
+    # chunk's work items to share: chunks go in groups whose packed copies would stay under
+    # PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
     ends = (starts + n_q).tolist() if ends is None else ends
     floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in ends]
     first = 0
