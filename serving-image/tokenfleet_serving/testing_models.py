@@ -68,6 +68,10 @@ def create_random_checkpoint(directory: str | Path, *, architecture: str = "llam
     config = config_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():          # transformers starts biases (Qwen2's q/k/v) at zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, initializer_range)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     tok.save(str(directory / "tokenizer.json"))

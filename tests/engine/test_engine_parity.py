@@ -9,6 +9,8 @@ import torch
 from tokenfleet_serving.engine import LLMEngine, SamplingParams
 from tokenfleet_serving.engine import batch as batch_module
 from tokenfleet_serving.engine.batch import SeqChunk, build_batch
+from tokenfleet_serving.engine import cpu_kernels
+from tokenfleet_serving.engine.model import Linear
 
 from engine_checkpoints import CHECKPOINTS, hf_greedy
 
@@ -151,3 +153,38 @@ def test_last_layer_on_sampled_rows_only_gives_the_full_logits(llama_dir, long_c
     full = model.forward(step, all_logits=True)[step.logits_rows]
     assert trimmed.shape == full.shape
     assert (trimmed - full).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("small_parts", [False, True], ids=["whole", "pieces-and-runs"])
+def test_one_call_decoder_layers_give_the_layer_loops_bits(name, small_parts, checkpoints, monkeypatch):
+    # tf_decoder_layers runs the kernels of the Python layer loop in the same order: logits must be identical,
+    # for a step mixing decodes, a prefix-cache-style chunk after cached tokens, a fresh prompt and a chunk
+    # that stops mid-prompt, with the last layer trimmed to the sampled rows and with all rows kept.
+    eng = engine(checkpoints[name])
+    model, bs = eng.model, eng.kv.block_size
+    assert model.decoder_call is not None
+    if small_parts:       # several MLP row pieces, and one prefill-attention run per chunk
+        model.decoder_call.shape.piece = 7
+        monkeypatch.setattr(Linear, "PIECE", 7)
+        monkeypatch.setattr(cpu_kernels, "PREFILL_SCRATCH_BYTES", 1)
+    seqs = prompts(5, 5, 40, 60)
+    tables = [eng.kv.pool.allocate(-(-len(p) // bs)) for p in seqs]
+    starts = [33, 20, 20, 0, 0]
+    for p, table, start in zip(seqs, tables, starts):
+        if start:
+            model.use_decoder_call = False
+            model.forward(build_batch([SeqChunk(p[:start], 0, table, True)], bs, model.device, True))
+    chunks = [SeqChunk(seqs[0][33:34], 33, tables[0], True),             # a decode
+              SeqChunk(seqs[1][20:40], 20, tables[1], True),             # new tokens after cached ones
+              SeqChunk(seqs[2][20:23], 20, tables[2], False),            # a chunk in the middle of a prompt
+              SeqChunk(seqs[3][:37], 0, tables[3], True),                # a whole fresh prompt
+              SeqChunk(seqs[4][:9], 0, tables[4], False)]
+    step = build_batch(chunks, bs, model.device, True)
+    results = {}
+    for fused in (False, True):
+        model.use_decoder_call = fused
+        results[fused] = (model.forward(step), model.forward(step, all_logits=True))
+    for loop, one_call in zip(results[False], results[True]):
+        assert torch.equal(loop, one_call)
+    assert results[True][0].shape[0] == 3 and results[True][1].shape[0] == step.input_ids.shape[0]

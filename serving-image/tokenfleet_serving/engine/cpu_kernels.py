@@ -120,6 +120,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tf_prefill_attention.restype = ctypes.c_int
     lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                                          _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+    lib.tf_decoder_layers.restype = ctypes.c_int
+    lib.tf_decoder_layers.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]
     return lib
 
 
@@ -324,18 +326,11 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
     seqs = n_q.shape[0]
     _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == seqs
                  for t in (tables, q_rows, n_q, starts)), "int64 tables, rows, lengths and starts")
-    # the kernel may pack a chunk's keys and values once (a layer's worth of its sequence's cache) for the
-    # chunk's work items to share: chunks go in groups whose packed copies would stay under
-    # PREFILL_SCRATCH_BYTES (a longer sequence goes alone)
     ends = (starts + n_q).tolist() if ends is None else ends
-    floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in ends]
+    run_ends, floats = prefill_runs(ends, kv_heads, head_dim)
+    scratch = _workspace(floats)
     first = 0
-    while first < seqs:
-        last, total = first + 1, floats[first]
-        while last < seqs and (total + floats[last]) * 4 <= PREFILL_SCRATCH_BYTES:
-            total += floats[last]
-            last += 1
-        scratch = _workspace(total)
+    for last in run_ends:
         at = lambda t: t.data_ptr() + first * t.stride(0) * t.element_size()
         rc = lib.tf_prefill_attention(
             q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), at(tables), tables.shape[1],
@@ -344,6 +339,137 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
         if rc != 0:
             raise MemoryError("prefill attention could not allocate its buffers")
         first = last
+
+
+def prefill_runs(ends: list[int], kv_heads: int, head_dim: int) -> tuple[list[int], int]:
+    """How prefill chunks whose sequences end at ``ends`` go through the kernel: in runs (the end index of
+    each) and with how many floats of scratch. The kernel may pack a chunk's keys and values once (a
+    layer's worth of its sequence's cache) for the chunk's work items to share, so the chunks of one run
+    are those whose packed copies stay under PREFILL_SCRATCH_BYTES together (a longer one runs alone)."""
+    floats = [2 * kv_heads * head_dim * -(-end // GEMM_PANEL) * GEMM_PANEL for end in ends]
+    run_ends, most, first = [], 0, 0
+    while first < len(ends):
+        last, total = first + 1, floats[first]
+        while last < len(ends) and (total + floats[last]) * 4 <= PREFILL_SCRATCH_BYTES:
+            total += floats[last]
+            last += 1
+        run_ends.append(last)
+        most, first = max(most, total), last
+    return run_ends, most
+
+# ---- the decoder layers in one call (tf_decoder_layers) ------------------------------------------------------
+def _struct(name: str, fields: str, kind=_PTR) -> type:
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, kind) for f in fields.split()]})
+
+
+_Layer = _struct("_Layer", "ln1 ln2 qkv qkv_bias o gate_up gate_up_bias down down_bias k_cache v_cache")
+_Buffers = _struct("_Buffers", "h qkv attn gemm delta gate_up act attn_scratch")
+_Chunks = type("_Chunks", (ctypes.Structure,), {"_fields_": [
+    *[(f, _I64) for f in "count table_width runs".split()],
+    *[(f, _PTR) for f in "tables q_rows n_q starts run_ends".split()]]})
+_Step = type("_Step", (ctypes.Structure,), {"_fields_": [
+    *[(f, _I64) for f in "rows decodes decode_width decode_max_len keep".split()],
+    *[(f, _PTR) for f in "positions slots decode_tables decode_lens keep_rows".split()],
+    ("prefill", _Chunks), ("sampled", _Chunks)]})
+_Shape = type("_Shape", (ctypes.Structure,), {"_fields_": [
+    *[(f, _I64) for f in "hidden heads kv_heads head_dim inter num_blocks block_size piece".split()],
+    ("eps", _F32), ("scale", _F32), ("cos", _PTR), ("sin", _PTR)]})
+
+
+def _chunks(c, kv_heads: int, head_dim: int) -> tuple[_Chunks, int, object]:
+    """A batch's PrefillChunks (or None) as the C struct, its scratch floats, and what must outlive the call."""
+    if c is None:
+        return _Chunks(), 0, None
+    ok = all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == len(c.ends)
+             for t in (c.tables, c.q_rows, c.n_q, c.starts))
+    _require(ok, "int64 chunk tables, rows, lengths and starts")
+    run_ends, floats = prefill_runs(c.ends, kv_heads, head_dim)
+    runs = torch.tensor(run_ends, dtype=torch.int64)
+    return _Chunks(len(c.ends), c.tables.shape[1], len(run_ends), c.tables.data_ptr(), c.q_rows.data_ptr(),
+                   c.n_q.data_ptr(), c.starts.data_ptr(), runs.data_ptr()), floats, runs
+
+
+class DecoderLayers:
+    """A model's decoder layers run as one kernel call per step: the same kernels, in the same order and
+    with the same arguments, as the model's Python layer loop (so the same bits), without the interpreter
+    between them. Needs packed weights (``pack_weight``) for every linear, an AVX2 build, and a head_dim
+    the prefill attention takes (``prefill_attends``).
+
+    ``layers``: per layer a dict of ``ln1``, ``ln2`` (norm weights), ``qkv``, ``o``, ``gate_up``, ``down``
+    (packed panels) and ``qkv_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
+    [2, kv_heads, blocks, block_size, head_dim] slice of the pool; ``cos`` / ``sin`` as ``rope_`` takes them."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list[torch.Tensor], cos: torch.Tensor,
+                 sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int):
+        _require(prefill_attends(lib, kv_layers[0].shape[-1]), "an AVX2 build and head_dim a multiple of 16")
+        _, kv_heads, num_blocks, block_size, head_dim = kv_layers[0].shape
+        hidden, inter = layers[0]["ln1"].shape[0], layers[0]["down"].shape[1]
+        widths = {"qkv": (hidden, (heads + 2 * kv_heads) * head_dim), "o": (heads * head_dim, hidden),
+                  "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+        for layer, kv in zip(layers, kv_layers):
+            for name, (k, n) in widths.items():
+                w, bias = layer[name], layer.get(name + "_bias")
+                _require(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n // GEMM_PANEL, k, GEMM_PANEL)
+                         and (bias is None or (bias.shape == (n,) and bias.is_contiguous())), f"packed {name} panels")
+            _require(kv.is_contiguous() and kv.shape == kv_layers[0].shape and kv.dtype == torch.float32,
+                     "contiguous fp32 cache layers of one shape")
+        _require(cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
+                 "cos/sin tables of head_dim width")
+        ptr = lambda t: None if t is None else t.data_ptr()
+        self.lib, self.cos_rows, self.slots_per_head = lib, cos.shape[0], num_blocks * block_size
+        self.kept = (layers, kv_layers, cos, sin)           # the structs point into these
+        self.layers = (_Layer * len(layers))(*[
+            _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias",
+                                                  "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr())
+            for layer, kv in zip(layers, kv_layers)])
+        self.shape = _Shape(hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, piece, eps, scale,
+                            cos.data_ptr(), sin.data_ptr())
+
+    def __call__(self, x: torch.Tensor, batch, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every layer over ``x`` [rows, hidden] (the embedded tokens, updated in place) for ``batch``
+        (a StepBatch with the compiled prefill and at most its one decode group). With ``keep_rows``
+        (increasing), the last layer finishes only those rows: returns them, else all of ``x``."""
+        sh = self.shape
+        rows = x.shape[0]
+        _require(x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == sh.hidden, "contiguous fp32 rows")
+        _require(not batch.long_spans and all(g.q_len == 1 for g in batch.groups), "decodes and prefill chunks only")
+        _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (rows,)
+                     for t in (batch.positions, batch.slots)), "int64 positions and slots, one per row")
+        pos = batch.position_range or (int(batch.positions.min()), int(batch.positions.max()))
+        slot = batch.slot_range or (int(batch.slots.min()), int(batch.slots.max()))
+        _require(rows == 0 or (0 <= pos[0] <= pos[1] < self.cos_rows and 0 <= slot[0] <= slot[1] < self.slots_per_head),
+                 "positions within the rope tables and slots in the pool")
+        step = _Step(rows=rows, keep=rows, positions=batch.positions.data_ptr(), slots=batch.slots.data_ptr())
+        if batch.groups:
+            g = batch.groups[0]
+            _require(g.block_ids.dtype == g.context_lens.dtype == torch.int64 and g.context_lens.is_contiguous()
+                     and g.context_lens.shape == (g.num_seqs,) and g.block_ids.numel() % max(g.num_seqs, 1) == 0,
+                     "int64 decode tables and lengths")
+            step.decodes, step.decode_max_len = g.num_seqs, g.max_context
+            step.decode_width = g.block_ids.numel() // max(g.num_seqs, 1)
+            step.decode_tables, step.decode_lens = g.block_ids.data_ptr(), g.context_lens.data_ptr()
+        step.prefill, floats, runs = _chunks(batch.prefill, sh.kv_heads, sh.head_dim)
+        if keep_rows is not None:
+            _require(keep_rows.dtype == torch.int64 and keep_rows.is_contiguous() and keep_rows.shape[0] <= rows,
+                     "int64 rows to keep")
+            step.sampled, sampled_floats, sampled_runs = _chunks(batch.prefill_sampled, sh.kv_heads, sh.head_dim)
+            step.keep, step.keep_rows, floats = keep_rows.shape[0], keep_rows.data_ptr(), max(floats, sampled_floats)
+        piece = min(rows, sh.piece)
+        q_width = sh.heads * sh.head_dim
+        sizes = [rows * sh.hidden, rows * (q_width + 2 * sh.kv_heads * sh.head_dim), rows * q_width,
+                 max(rows * max(sh.hidden, q_width), piece * sh.inter), piece * sh.hidden, piece * 2 * sh.inter,
+                 piece * sh.inter, floats]
+        sizes = [-(-n // 16) * 16 for n in sizes]          # 64-byte aligned parts (the panels' aligned loads)
+        space, parts, at = _workspace(sum(sizes)), [], 0
+        for n in sizes:
+            parts.append(space.data_ptr() + 4 * at)
+            at += n
+        # (runs, sampled_runs: the run tables the structs point to, alive until the call returns)
+        rc = self.lib.tf_decoder_layers(ctypes.byref(sh), self.layers, len(self.layers), ctypes.byref(step),
+                                        x.data_ptr(), ctypes.byref(_Buffers(*parts)))
+        if rc != 0:
+            raise MemoryError("the decoder layers could not allocate their buffers")
+        return x[:step.keep]
 
 
 if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)

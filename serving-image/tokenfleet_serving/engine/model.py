@@ -127,6 +127,10 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
         self.kv_layers: list[torch.Tensor] = []     # per layer [2, kv_heads, num_blocks, block_size, head_dim]
         self.block_size = 0
+        # every layer in one kernel call per step (built with the pool) where all its linears are packed;
+        # ``use_decoder_call = False`` keeps the Python layer loop over the same kernels
+        self.decoder_call: cpu_kernels.DecoderLayers | None = None
+        self.use_decoder_call = True
 
     # ---- KV pool -------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
@@ -143,6 +147,13 @@ class LlamaModel:
         self.kv_layers = [pool[i] for i in range(c.num_layers)]
         self.block_size = block_size
         self.kv_pool = pool
+        linears = ("qkv", "o", "gate_up", "down")
+        if self.compiled_prefill and all(layer[n].panels is not None for layer in self.layers for n in linears):
+            weights = [dict(ln1=layer["ln1"], ln2=layer["ln2"],
+                            **{n: layer[n].panels for n in linears}, **{n + "_bias": layer[n].bias for n in linears})
+                       for layer in self.layers]
+            self.decoder_call = cpu_kernels.DecoderLayers(self.kernels, weights, self.kv_layers, self.cos, self.sin,
+                                                          c.num_heads, c.rms_norm_eps, self.scale, Linear.PIECE)
         return pool.numel() * pool.element_size()
 
     # ---- forward -------------------------------------------------------
@@ -228,6 +239,22 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
         """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
+        x = self.embed[batch.input_ids]
+        # In the last layer only the sampled rows go on past the KV write: the others' output would feed
+        # nothing but logits nobody reads (for a prompt chunk, all its rows but the last).
+        trim = not all_logits and batch.logits_rows.shape[0] < x.shape[0]
+        if (self.decoder_call is not None and self.use_decoder_call and not batch.long_spans
+                and all(grp.q_len == 1 for grp in batch.groups)):
+            x = self.decoder_call(x, batch, batch.logits_rows if trim else None)
+        else:
+            x = self._layers(x, batch, trim)
+        if not all_logits and not trim:
+            x = x[batch.logits_rows]
+        return self.lm_head(self._rms_norm(x, self.norm)).float()
+
+    def _layers(self, x: torch.Tensor, batch: StepBatch, trim: bool) -> torch.Tensor:
+        """The decoder layers over ``x`` [T, hidden], one kernel or torch op at a time; with ``trim`` the last
+        layer finishes only ``batch.logits_rows`` (and returns those rows)."""
         c = self.config
         KVH, hd = c.num_kv_heads, c.head_dim
         g = c.num_heads // KVH
@@ -237,13 +264,9 @@ class LlamaModel:
             if grp.sdpa_mask is None:
                 mask = grp.mask.to(self.dtype).squeeze(1)
                 grp.sdpa_mask = (mask if grp.q_len == 1 else mask.repeat(1, g, 1)).unsqueeze(0)
-        x = self.embed[batch.input_ids]
         if self.kernels is None:
             cos, sin = self.cos[batch.positions].unsqueeze(1), self.sin[batch.positions].unsqueeze(1)
         T = x.shape[0]
-        # In the last layer only the sampled rows go on past the KV write: the others' output would feed
-        # nothing but logits nobody reads (for a prompt chunk, all its rows but the last).
-        trim = not all_logits and batch.logits_rows.shape[0] < T
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, self.kv_layers)):
             h = self._rms_norm(x, layer["ln1"])
@@ -269,6 +292,4 @@ class LlamaModel:
                 r = slice(start, start + Linear.PIECE)
                 h = self._rms_norm(x[r], layer["ln2"], delta=layer["o"](attn[r]))       # x[r] += o(attn) first
                 x[r] += layer["down"](self._silu_mul(layer["gate_up"](h)))
-        if not all_logits and not trim:
-            x = x[batch.logits_rows]
-        return self.lm_head(self._rms_norm(x, self.norm)).float()
+        return x
