@@ -9,7 +9,7 @@ from tokenfleet_serving.bench import engine as bench
 def test_bench_engine_reports_every_field_consistently(llama_dir, tmp_path, capsys):
     out = tmp_path / "engine.json"
     rc = bench.main(["--model", str(llama_dir), "--json", str(out), "--requests", "4", "--prompt-len", "20",
-                     "--output-len", "5", "--prefix-len", "40", "--new-len", "6", "--hits", "3", "--repeats", "2"])
+                     "--output-len", "5", "--prefix-len", "40", "--new-len", "6", "--hits", "3", "--colds", "3", "--repeats", "2"])
     assert rc == 0
     r = json.loads(out.read_text())
     for field in ("hf_output_tok_s", "engine_output_tok_s", "ratio_vs_hf", "roofline_output_tok_s",
@@ -21,6 +21,8 @@ def test_bench_engine_reports_every_field_consistently(llama_dir, tmp_path, caps
     assert abs(r["ratio_vs_hf"] - r["engine_output_tok_s"] / r["hf_output_tok_s"]) < 1e-9
     assert abs(r["roofline_fraction"] - r["engine_output_tok_s"] / r["roofline_output_tok_s"]) < 1e-9
     assert abs(r["ttft_reduction"] - (1 - r["ttft_hit_s"] / r["ttft_cold_s"])) < 1e-9
+    assert len(r["ttft_cold_s_runs"]) == len(r["ttft_hit_s_runs"]) == 3
+    assert r["ttft_cold_s"] == sorted(r["ttft_cold_s_runs"])[1] and r["ttft_hit_s"] == sorted(r["ttft_hit_s_runs"])[1]
     assert r["w3_cached_tokens"] == 40 - 40 % 16              # whole blocks of the shared prefix came from cache
     assert r["matmul_gflops"] > 0 and r["hardware"]["cores"] >= 1
     # the roofline is the fastest matmul measured, the engine's own GEMM included where it has one

@@ -5,7 +5,7 @@ ignored; transformers' ``generate`` with one static batch vs this engine;
 both against a roofline of (counted model FLOPs) / (measured fp32 matmul
 FLOP/s).
 W3 (prefix cache): a shared prefix + a few new tokens; time to first token
-on a cache hit (median of several) vs cold, and the cold prefill's fraction of
+on a cache hit vs cold (the median of several each), and the cold prefill's fraction of
 the roofline (attention FLOPs counted).
 """
 from __future__ import annotations
@@ -155,12 +155,13 @@ def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, 
                 return elapsed, out.num_cached_tokens
 
 
-def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: int, rng: random.Random) -> dict:
+def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: int, colds: int,
+           rng: random.Random) -> dict:
     tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]
     ttft(engine, "w3-warmup", tokens(prefix_len + new_len))            # allocator and kernel warm-up
-    colds = []
-    for i in range(2):
-        colds.append(ttft(engine, f"w3-cold-{i}", tokens(prefix_len + new_len))[0])
+    cold_times = []
+    for i in range(colds):
+        cold_times.append(ttft(engine, f"w3-cold-{i}", tokens(prefix_len + new_len))[0])
     prefix = tokens(prefix_len)
     ttft(engine, "w3-seed", prefix + tokens(new_len))                  # fills the cache with the prefix
     hit_times, cached = [], []
@@ -168,9 +169,9 @@ def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: i
         t, c = ttft(engine, f"w3-hit-{i}", prefix + tokens(new_len))
         hit_times.append(t)
         cached.append(c)
-    cold, hit = statistics.median(colds), statistics.median(hit_times)
+    cold, hit = statistics.median(cold_times), statistics.median(hit_times)
     return {"ttft_cold_s": cold, "ttft_hit_s": hit, "ttft_reduction": 1.0 - hit / cold,
-            "w3_cached_tokens": min(cached)}
+            "w3_cached_tokens": min(cached), "ttft_cold_s_runs": cold_times, "ttft_hit_s_runs": hit_times}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--new-len", type=int, default=32)
     ap.add_argument("--hits", type=int, default=5)
+    ap.add_argument("--colds", type=int, default=5, help="cold W3 prefills; the median counts, as for the hits")
     ap.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     ap.add_argument("--skip-pytorch-path", action="store_true",
                     help="do not also run W1 on the engine's pure PyTorch path (no compiled CPU kernels)")
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(engine_pytorch_path_output_tok_s=out_tokens / t_plain, kernels_speedup=t_plain / t_engine)
 
     measure_roofline("_mid")                # again right before W3's timings, next to the cold prefill it divides
-    w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, rng)
+    w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, args.colds, rng)
     cold_flops = sequence_flops(config, args.prefix_len + args.new_len, 1)
     w3["w3_cold_model_gflop"] = cold_flops / 1e9
     result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
