@@ -48,7 +48,7 @@ def lib():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (4, 1), (6, 6)])
-@pytest.mark.parametrize("head_dim", [32, 64, 80])
+@pytest.mark.parametrize("head_dim", [32, 36, 64, 80, 128])      # 36: not a multiple of 8, the scalar loop
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_decode_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, head_dim, block_size):
     rng = random.Random(heads * 1000 + head_dim * 10 + block_size)

@@ -52,8 +52,9 @@ static inline void prefetch(const float *block, int64_t floats)
  * than one pass with a running softmax, whose interleaved key and value reads defeat the prefetcher).
  * `scores` holds group * max_len floats.
  *
- * decode_item is inlined with head_dim a compile-time constant for the common sizes, so the dot products
- * and value updates unroll into straight vector code.
+ * decode_item is the portable version, inlined with head_dim a compile-time constant for the common sizes;
+ * AVX2 + FMA builds run decode_item_avx2 (further down, next to the other 8-lane helpers) for any head_dim
+ * that is a multiple of 8.
  */
 static inline __attribute__((always_inline)) void decode_item(
     const float *qs, const float *keys, const float *values, const int64_t *table, int64_t n, float *os,
@@ -103,6 +104,13 @@ static inline __attribute__((always_inline)) void decode_item(
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void decode_item_avx2(
+    const float *qs, const float *keys, const float *values, const int64_t *table, int64_t n, float *os,
+    float *scores, int64_t max_len, int64_t *at, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale);
+#endif
+
 /* Returns 0, or -1 when a thread could not allocate its score buffer. */
 int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                               const int64_t *tables, int64_t table_width, const int64_t *lens,
@@ -114,7 +122,8 @@ int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, 
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * group * max_len);
+        int64_t *at = malloc(sizeof(int64_t) * max_len + sizeof(float) * group * max_len);   /* offsets, scores */
+        float *scores = at ? (float *)(at + max_len) : NULL;
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -127,6 +136,18 @@ int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, 
                 const float *keys = k + kh * head_stride, *values = v + kh * head_stride;
                 const int64_t *table = tables + s * table_width;
                 float *os = out + s * out_stride + kh * group * head_dim;
+#if defined(__AVX2__) && defined(__FMA__)
+                if (head_dim == 64) {
+                    decode_item_avx2(qs, keys, values, table, lens[s], os, scores, max_len, at, group, 64, block_size,
+                                     scale);
+                    continue;
+                }
+                if (head_dim % 8 == 0) {
+                    decode_item_avx2(qs, keys, values, table, lens[s], os, scores, max_len, at, group, head_dim,
+                                     block_size, scale);
+                    continue;
+                }
+#endif
                 switch (head_dim) {
                 case 64:
                     decode_item(qs, keys, values, table, lens[s], os, scores, max_len, group, 64, block_size, scale);
@@ -140,7 +161,7 @@ int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, 
                 }
             }
         }
-        free(scores);
+        free(at);
     }
     return failed ? -1 : 0;
 }
@@ -289,6 +310,79 @@ static float exp_shifted(float *row, int64_t n, int64_t width, float scale, floa
     for (; i < n; i++) { row[i] = exp_nonpositive(row[i] * scale - top); sum += row[i]; }
     for (; i < width; i++) row[i] = 0.0f;
     return sum;
+}
+
+/* The 8 lane sums of each of v[0..7], as one vector: lane i = v[i][0] + ... + v[i][7]. */
+static inline __m256 lane_sums8(const __m256 *v)
+{
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* decode_item (above) with AVX2, for head_dim a multiple of 8. In the portable version each dot product is
+ * one chain of dependent FMAs ending in a horizontal sum, and each value update goes through memory. Here
+ * 8 keys at a time get an accumulator each, summed across lanes together; the weighted values keep 64 dims
+ * of one head's output in registers over all keys; the softmax runs 8 lanes wide. Measured (2 vCPUs, W1's
+ * shapes): with the keys and values in L3 it reads them at 22 GB/s where the portable version read 15.6;
+ * from DRAM both are bound by memory (+5-10 % alone, about 2 % of W1's decode steps in the engine).
+ * Keys and values DECODE_AHEAD keys on are prefetched during the key pass, so up to about 2,000 keys (half
+ * of L2) the value pass finds its values in cache. `at` receives the n keys' offsets in the pool layer. */
+#define DECODE_AHEAD 32
+static inline __attribute__((always_inline)) void decode_item_avx2(
+    const float *qs, const float *keys, const float *values, const int64_t *table, int64_t n, float *os,
+    float *scores, int64_t max_len, int64_t *at, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale)
+{
+    for (int64_t t = 0, b = 0, off = 0; t < n; t++) {
+        at[t] = (table[b] * block_size + off) * head_dim;
+        if (++off == block_size) { off = 0; b++; }
+    }
+    for (int64_t t = 0; t < DECODE_AHEAD && t < n; t++) { prefetch(keys + at[t], head_dim); prefetch(values + at[t], head_dim); }
+    for (int64_t j = 0; j < group; j++) {                                   /* scores, 8 keys at a time */
+        const float *qj = qs + j * head_dim;
+        float *sj = scores + j * max_len;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            const float *key[8];
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) {
+                key[i] = keys + at[t0 + i < n ? t0 + i : t0];
+                acc[i] = _mm256_setzero_ps();
+                if (j == 0 && t0 + i + DECODE_AHEAD < n) {
+                    prefetch(keys + at[t0 + i + DECODE_AHEAD], head_dim);
+                    prefetch(values + at[t0 + i + DECODE_AHEAD], head_dim);
+                }
+            }
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qj + d);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[i] + d), acc[i]);
+            }
+            const __m256 dots = lane_sums8(acc);
+            if (t0 + 8 <= n) {
+                _mm256_storeu_ps(sj + t0, dots);
+            } else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, dots);
+                memcpy(sj + t0, lanes, sizeof(float) * (n - t0));
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {                                   /* softmax, weighted values */
+        float *sj = scores + j * max_len, *oj = os + j * head_dim;
+        const float top = row_max(sj, n) * scale;
+        const __m256 inv = _mm256_set1_ps(1.0f / exp_shifted(sj, n, n, scale, top));
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            const int64_t vecs = head_dim - d0 < 64 ? (head_dim - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const float *val = values + at[t] + d0;
+                const __m256 w = _mm256_broadcast_ss(sj + t);
+                for (int v = 0; v < vecs; v++) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * v), acc[v]);
+            }
+            for (int v = 0; v < vecs; v++) _mm256_storeu_ps(oj + d0 + 8 * v, _mm256_mul_ps(acc[v], inv));
+        }
+    }
 }
 
 /* m rows go through the tiles in ceil(m / 6) row blocks as even as can be: 6, 6, 5, 5, 5, 5 for 32 rows
