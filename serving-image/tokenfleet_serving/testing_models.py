@@ -44,8 +44,11 @@ def create_random_checkpoint(directory: str | Path, *, architecture: str = "llam
                              intermediate_size: int = 128, vocab_size: int = 512,
                              max_position_embeddings: int = 4096, tie_word_embeddings: bool = False,
                              rope_scaling: dict | None = None, dtype: str = "float32", seed: int = 0,
-                             initializer_range: float = 0.02, max_shard_size: str | None = None) -> Path:
-    """Write config.json, safetensors weights, tokenizer.json and tokenizer_config.json to ``directory``."""
+                             initializer_range: float = 0.02, max_shard_size: str | None = None,
+                             linear_biases: bool = False) -> Path:
+    """Write config.json, safetensors weights, tokenizer.json and tokenizer_config.json to ``directory``.
+    ``linear_biases`` (Llama only) sets ``attention_bias`` and ``mlp_bias``: every linear but the lm_head has
+    a bias."""
     import torch
     import transformers
 
@@ -65,6 +68,10 @@ def create_random_checkpoint(directory: str | Path, *, architecture: str = "llam
     config_cls, model_cls = (getattr(transformers, n) for n in classes[architecture])
     if architecture == "mistral":
         common["sliding_window"] = None
+    if linear_biases:
+        if architecture != "llama":
+            raise ValueError("linear_biases is a Llama option")
+        common.update(attention_bias=True, mlp_bias=True)
     config = config_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype)).eval()

@@ -13,6 +13,7 @@ CHECKPOINTS = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2": dict(architecture="qwen2", initializer_range=0.2, seed=3),
     "mistral": dict(architecture="mistral", initializer_range=0.2, seed=4, num_kv_heads=4),
+    "llama-biases": dict(architecture="llama", linear_biases=True, initializer_range=0.2, seed=5),
 }
 
 

@@ -73,6 +73,16 @@ def test_decode_kernel_matches_sdpa_over_scattered_blocks(lib, heads, kv_heads, 
     assert out[len(lens):].isnan().all()                               # rows past the sequences untouched
 
 
+@pytest.mark.parametrize("head_dim", [64, 36])          # the AVX2 item and the portable loop
+def test_decode_kernel_gives_zeros_for_a_sequence_with_no_keys(lib, head_dim):
+    k_layer = torch.randn(2, 4, 4, head_dim)
+    q = torch.randn(2, 4, head_dim)
+    out = torch.full((2, 4 * head_dim), float("nan"))
+    cpu_kernels.paged_decode_attention(lib, q, k_layer, k_layer.clone(), torch.tensor([[0], [1]]), torch.tensor([0, 3]),
+                                       3, out, head_dim ** -0.5)
+    assert (out[0] == 0).all() and out[1].isfinite().all()
+
+
 def reference_prefill_attention(q, k_layer, v_layer, tables, q_rows, n_q, starts, scale):
     """Per chunk: gather its sequence's keys, attend causally from its start (query i sees keys <= start + i)."""
     heads, hd = q.shape[1], q.shape[2]

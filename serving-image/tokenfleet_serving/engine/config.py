@@ -48,6 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool                # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
     mlp_bias: bool
     sliding_window: int | None
     torch_dtype: str | None
@@ -178,6 +179,7 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
             _field(raw, "max_position_embeddings", int, source, 2048), "max_position_embeddings", source),
         tie_word_embeddings=_field(raw, "tie_word_embeddings", bool, source, False),
         qkv_bias=True if is_qwen2 else _field(raw, "attention_bias", bool, source, False),
+        o_bias=False if is_qwen2 else _field(raw, "attention_bias", bool, source, False),
         mlp_bias=_field(raw, "mlp_bias", bool, source, False),
         sliding_window=sliding,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),

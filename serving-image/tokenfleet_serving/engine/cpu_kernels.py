@@ -362,7 +362,7 @@ def _struct(name: str, fields: str, kind=_PTR) -> type:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, kind) for f in fields.split()]})
 
 
-_Layer = _struct("_Layer", "ln1 ln2 qkv qkv_bias o gate_up gate_up_bias down down_bias k_cache v_cache")
+_Layer = _struct("_Layer", "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache")
 _Buffers = _struct("_Buffers", "h qkv attn gemm delta gate_up act attn_scratch")
 _Chunks = type("_Chunks", (ctypes.Structure,), {"_fields_": [
     *[(f, _I64) for f in "count table_width runs".split()],
@@ -396,7 +396,7 @@ class DecoderLayers:
     the prefill attention takes (``prefill_attends``).
 
     ``layers``: per layer a dict of ``ln1``, ``ln2`` (norm weights), ``qkv``, ``o``, ``gate_up``, ``down``
-    (packed panels) and ``qkv_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
+    (packed panels) and ``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
     [2, kv_heads, blocks, block_size, head_dim] slice of the pool; ``cos`` / ``sin`` as ``rope_`` takes them."""
 
     def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list[torch.Tensor], cos: torch.Tensor,
@@ -419,8 +419,8 @@ class DecoderLayers:
         self.lib, self.cos_rows, self.slots_per_head = lib, cos.shape[0], num_blocks * block_size
         self.kept = (layers, kv_layers, cos, sin)           # the structs point into these
         self.layers = (_Layer * len(layers))(*[
-            _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias",
-                                                  "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr())
+            _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                                                  "gate_up_bias", "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr())
             for layer, kv in zip(layers, kv_layers)])
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, piece, eps, scale,
                             cos.data_ptr(), sin.data_ptr())
@@ -450,8 +450,10 @@ class DecoderLayers:
             step.decode_tables, step.decode_lens = g.block_ids.data_ptr(), g.context_lens.data_ptr()
         step.prefill, floats, runs = _chunks(batch.prefill, sh.kv_heads, sh.head_dim)
         if keep_rows is not None:
-            _require(keep_rows.dtype == torch.int64 and keep_rows.is_contiguous() and keep_rows.shape[0] <= rows,
-                     "int64 rows to keep")
+            _require(keep_rows.dtype == torch.int64 and keep_rows.is_contiguous() and keep_rows.shape[0] <= rows
+                     and (keep_rows.shape[0] == 0 or (int(keep_rows[0]) >= 0 and int(keep_rows[-1]) < rows
+                                                      and bool((keep_rows[1:] > keep_rows[:-1]).all()))),
+                     "increasing int64 rows to keep, within the batch")     # the kernel moves rows forward
             step.sampled, sampled_floats, sampled_runs = _chunks(batch.prefill_sampled, sh.kv_heads, sh.head_dim)
             step.keep, step.keep_rows, floats = keep_rows.shape[0], keep_rows.data_ptr(), max(floats, sampled_floats)
         piece = min(rows, sh.piece)

@@ -48,6 +48,8 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if config.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
                            p + "mlp.down_proj.bias": (h,)})

@@ -114,7 +114,7 @@ class LlamaModel:
                 ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"),
                 qkv=lin(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                         cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None),
-                o=lin(w(a + "o_proj.weight"), None),
+                o=lin(w(a + "o_proj.weight"), w(a + "o_proj.bias") if config.o_bias else None),
                 gate_up=lin(cat(m + "gate_proj.weight", m + "up_proj.weight"),
                             cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None),
                 down=lin(w(m + "down_proj.weight"), w(m + "down_proj.bias") if config.mlp_bias else None)))
@@ -148,6 +148,7 @@ class LlamaModel:
         self.block_size = block_size
         self.kv_pool = pool
         linears = ("qkv", "o", "gate_up", "down")
+        self.decoder_call = None
         if self.compiled_prefill and all(layer[n].panels is not None for layer in self.layers for n in linears):
             weights = [dict(ln1=layer["ln1"], ln2=layer["ln2"],
                             **{n: layer[n].panels for n in linears}, **{n + "_bias": layer[n].bias for n in linears})

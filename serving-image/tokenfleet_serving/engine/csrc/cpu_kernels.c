@@ -334,6 +334,10 @@ static inline __attribute__((always_inline)) void decode_item_avx2(
     float *scores, int64_t max_len, int64_t *at, int64_t group, int64_t head_dim, int64_t block_size,
     float scale)
 {
+    if (n == 0) {                                         /* nothing to attend: zeros, as the portable loop gives */
+        memset(os, 0, sizeof(float) * group * head_dim);
+        return;
+    }
     for (int64_t t = 0, b = 0, off = 0; t < n; t++) {
         at[t] = (table[b] * block_size + off) * head_dim;
         if (++off == block_size) { off = 0; b++; }
@@ -776,7 +780,7 @@ void tf_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
  * to the front of x, and the rest of the layer runs for them alone.
  */
 struct tf_layer {                   /* one layer: packed weights (biases may be NULL) and its cache layer */
-    const float *ln1, *ln2, *qkv, *qkv_bias, *o, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *ln1, *ln2, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     float *k_cache, *v_cache;
 };
 
@@ -869,7 +873,7 @@ int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, i
         for (int64_t r0 = 0; r0 < rows; r0 += d->piece) {   /* row pieces bound the MLP's wide intermediates */
             const int64_t p = rows - r0 < d->piece ? rows - r0 : d->piece;
             float *xr = x + r0 * D;
-            gemm_bias(b->attn + r0 * qn, p, qn, L->o, NULL, D, b->delta, b->gemm);
+            gemm_bias(b->attn + r0 * qn, p, qn, L->o, L->o_bias, D, b->delta, b->gemm);
             tf_rms_norm(xr, D, b->delta, D, L->ln2, b->h, D, p, D, d->eps);     /* x += o(attn) first */
             gemm_bias(b->h, p, D, L->gate_up, L->gate_up_bias, 2 * I, b->gate_up, b->gemm);
             tf_silu_mul(b->gate_up, p, I, b->act);
