@@ -159,16 +159,18 @@ def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: i
            rng: random.Random) -> dict:
     tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]
     ttft(engine, "w3-warmup", tokens(prefix_len + new_len))            # allocator and kernel warm-up
-    cold_times = []
-    for i in range(colds):
-        cold_times.append(ttft(engine, f"w3-cold-{i}", tokens(prefix_len + new_len))[0])
     prefix = tokens(prefix_len)
     ttft(engine, "w3-seed", prefix + tokens(new_len))                  # fills the cache with the prefix
-    hit_times, cached = [], []
-    for i in range(hits):
-        t, c = ttft(engine, f"w3-hit-{i}", prefix + tokens(new_len))
-        hit_times.append(t)
-        cached.append(c)
+    # colds and hits alternate, so that both sample the same moments of a shared machine (between runs the
+    # hit moved with the memory bandwidth much more than the compute-bound cold prefill did)
+    cold_times, hit_times, cached = [], [], []
+    for i in range(max(colds, hits)):
+        if i < colds:
+            cold_times.append(ttft(engine, f"w3-cold-{i}", tokens(prefix_len + new_len))[0])
+        if i < hits:
+            t, c = ttft(engine, f"w3-hit-{i}", prefix + tokens(new_len))
+            hit_times.append(t)
+            cached.append(c)
     cold, hit = statistics.median(cold_times), statistics.median(hit_times)
     return {"ttft_cold_s": cold, "ttft_hit_s": hit, "ttft_reduction": 1.0 - hit / cold,
             "w3_cached_tokens": min(cached), "ttft_cold_s_runs": cold_times, "ttft_hit_s_runs": hit_times}
