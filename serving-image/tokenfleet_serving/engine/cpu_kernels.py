@@ -357,23 +357,33 @@ def prefill_runs(ends: list[int], kv_heads: int, head_dim: int) -> tuple[list[in
         most, first = max(most, total), last
     return run_ends, most
 
+
 # ---- the decoder layers in one call (tf_decoder_layers) ------------------------------------------------------
-def _struct(name: str, fields: str, kind=_PTR) -> type:
-    return type(name, (ctypes.Structure,), {"_fields_": [(f, kind) for f in fields.split()]})
+def _fields(kind, names: str) -> list[tuple[str, type]]:
+    return [(name, kind) for name in names.split()]
 
 
-_Layer = _struct("_Layer", "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache")
-_Buffers = _struct("_Buffers", "h qkv attn gemm delta gate_up act attn_scratch")
-_Chunks = type("_Chunks", (ctypes.Structure,), {"_fields_": [
-    *[(f, _I64) for f in "count table_width runs".split()],
-    *[(f, _PTR) for f in "tables q_rows n_q starts run_ends".split()]]})
-_Step = type("_Step", (ctypes.Structure,), {"_fields_": [
-    *[(f, _I64) for f in "rows decodes decode_width decode_max_len keep".split()],
-    *[(f, _PTR) for f in "positions slots decode_tables decode_lens keep_rows".split()],
-    ("prefill", _Chunks), ("sampled", _Chunks)]})
-_Shape = type("_Shape", (ctypes.Structure,), {"_fields_": [
-    *[(f, _I64) for f in "hidden heads kv_heads head_dim inter num_blocks block_size piece".split()],
-    ("eps", _F32), ("scale", _F32), ("cos", _PTR), ("sin", _PTR)]})
+class _Layer(ctypes.Structure):        # struct tf_layer in the C file, field for field (and so on below)
+    _fields_ = _fields(_PTR, "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache")
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = _fields(_PTR, "h qkv attn gemm delta gate_up act attn_scratch")
+
+
+class _Chunks(ctypes.Structure):
+    _fields_ = _fields(_I64, "count table_width runs") + _fields(_PTR, "tables q_rows n_q starts run_ends")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = (_fields(_I64, "rows decodes decode_width decode_max_len keep")
+                + _fields(_PTR, "positions slots decode_tables decode_lens keep_rows")
+                + [("prefill", _Chunks), ("sampled", _Chunks)])
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = (_fields(_I64, "hidden heads kv_heads head_dim inter num_blocks block_size piece")
+                + _fields(_F32, "eps scale") + _fields(_PTR, "cos sin"))
 
 
 def _chunks(c, kv_heads: int, head_dim: int) -> tuple[_Chunks, int, object]:
