@@ -24,6 +24,18 @@ def test_parse_minimal_and_derived_fields():
     assert mistral.max_model_len == 512
 
 
+@pytest.mark.parametrize("arch,expected", [
+    ("LlamaForCausalLM", (True, True, True)),       # attention_bias: q, k, v and o; mlp_bias: the MLP
+    ("Qwen2ForCausalLM", (True, False, False)),     # q, k and v always, nothing else
+    ("MistralForCausalLM", (False, False, False)),  # transformers' Mistral has no biases
+])
+def test_biases_follow_each_architecture_as_transformers_builds_it(arch, expected):
+    c = parse_model_config(dict(BASE, architectures=[arch], attention_bias=True, mlp_bias=True))
+    assert (c.qkv_bias, c.o_bias, c.mlp_bias) == expected
+    plain = parse_model_config(dict(BASE, architectures=[arch]))
+    assert (plain.qkv_bias, plain.o_bias, plain.mlp_bias) == (arch == "Qwen2ForCausalLM", False, False)
+
+
 @pytest.mark.parametrize("change,field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"architectures": []}, "architectures"),

@@ -159,6 +159,10 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
     if act != "silu":
         raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')")
     is_qwen2 = architecture == "Qwen2ForCausalLM"
+    # biases as transformers builds these models: Llama's attention_bias (q, k, v and o) and mlp_bias;
+    # Qwen2's q, k and v always; Mistral none (its config fields are not read)
+    is_llama = architecture == "LlamaForCausalLM"
+    attention_bias = is_llama and _field(raw, "attention_bias", bool, source, False)
     sliding = raw.get("sliding_window")
     use_sliding = raw.get("use_sliding_window", not is_qwen2)
     if not isinstance(sliding, int) or isinstance(sliding, bool) or not use_sliding:
@@ -178,9 +182,9 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
         max_position_embeddings=_positive(
             _field(raw, "max_position_embeddings", int, source, 2048), "max_position_embeddings", source),
         tie_word_embeddings=_field(raw, "tie_word_embeddings", bool, source, False),
-        qkv_bias=True if is_qwen2 else _field(raw, "attention_bias", bool, source, False),
-        o_bias=False if is_qwen2 else _field(raw, "attention_bias", bool, source, False),
-        mlp_bias=_field(raw, "mlp_bias", bool, source, False),
+        qkv_bias=is_qwen2 or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=is_llama and _field(raw, "mlp_bias", bool, source, False),
         sliding_window=sliding,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         eos_token_ids=_token_ids(raw.get("eos_token_id"), "eos_token_id", source),
