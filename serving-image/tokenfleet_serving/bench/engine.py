@@ -27,6 +27,7 @@ from ..engine import LLMEngine, SamplingParams
 from ..engine.config import ModelConfig
 from ..engine.engine import usable_cpus
 from ..engine.loader import load_config
+from ..server.main import positive_int
 
 REFERENCE = dict(architecture="llama", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                  intermediate_size=1376, vocab_size=8192, dtype="float32")
@@ -176,13 +177,6 @@ def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: i
             "w3_cached_tokens": min(cached), "ttft_cold_s_runs": cold_times, "ttft_hit_s_runs": hit_times}
 
 
-def _at_least_one(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenfleet bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--new-len", type=int, default=32)
-    ap.add_argument("--hits", type=_at_least_one, default=5, help="W3 cache hits; the median counts")
-    ap.add_argument("--colds", type=_at_least_one, default=5, help="cold W3 prefills; the median counts")
+    ap.add_argument("--hits", type=positive_int, default=5, help="W3 cache hits; the median counts")
+    ap.add_argument("--colds", type=positive_int, default=5, help="cold W3 prefills; the median counts")
     ap.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     ap.add_argument("--skip-pytorch-path", action="store_true",
                     help="do not also run W1 on the engine's pure PyTorch path (no compiled CPU kernels)")

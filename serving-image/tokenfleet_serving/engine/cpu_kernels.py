@@ -174,6 +174,15 @@ def _require(condition: bool, what: str) -> None:
         raise ValueError(f"CPU kernel needs {what}")
 
 
+def _within(index: torch.Tensor, known: tuple[int, int] | None, limit: int) -> bool:
+    """Whether every entry of ``index`` lies in [0, limit); ``known`` (smallest, largest), where the caller
+    has it (``build_batch`` computes it once per step), saves two reductions."""
+    if index.numel() == 0:
+        return True
+    low, high = known if known is not None else (int(index.min()), int(index.max()))
+    return 0 <= low <= high < limit
+
+
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                            tables: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
                            scale: float) -> None:
@@ -268,10 +277,8 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     _require(k_layer.is_contiguous() and v_layer.is_contiguous() and k_layer.shape == v_layer.shape
              and k_layer.shape[0] == kv_heads and k_layer.shape[3] == head_dim, "contiguous cache layers")
     per_head = k_layer.shape[1] * k_layer.shape[2]
-    if rows and slot_range is None:
-        slot_range = int(slots.min()), int(slots.max())
     _require(slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
-             and (rows == 0 or (slot_range[0] >= 0 and slot_range[1] < per_head)), "int64 slots in the pool")
+             and _within(slots, slot_range, per_head), "int64 slots in the pool")
     lib.tf_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), rows,
                     k_layer.data_ptr(), v_layer.data_ptr(), kv_heads, per_head, head_dim)
 
@@ -285,10 +292,8 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     _require(x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == head_dim
              and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
              "fp32 rows of contiguous heads and cos/sin tables of their width")
-    if rows and position_range is None:
-        position_range = int(positions.min()), int(positions.max())
     _require(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (rows,)
-             and (rows == 0 or 0 <= position_range[0] <= position_range[1] < cos.shape[0]),
+             and _within(positions, position_range, cos.shape[0]),
              "int64 positions within the tables")
     lib.tf_rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                 positions.data_ptr())
@@ -445,9 +450,8 @@ class DecoderLayers:
         _require(not batch.long_spans and all(g.q_len == 1 for g in batch.groups), "decodes and prefill chunks only")
         _require(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (rows,)
                      for t in (batch.positions, batch.slots)), "int64 positions and slots, one per row")
-        pos = batch.position_range or (int(batch.positions.min()), int(batch.positions.max()))
-        slot = batch.slot_range or (int(batch.slots.min()), int(batch.slots.max()))
-        _require(rows == 0 or (0 <= pos[0] <= pos[1] < self.cos_rows and 0 <= slot[0] <= slot[1] < self.slots_per_head),
+        _require(_within(batch.positions, batch.position_range, self.cos_rows)
+                 and _within(batch.slots, batch.slot_range, self.slots_per_head),
                  "positions within the rope tables and slots in the pool")
         step = _Step(rows=rows, keep=rows, positions=batch.positions.data_ptr(), slots=batch.slots.data_ptr())
         if batch.groups:

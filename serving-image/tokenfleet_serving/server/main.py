@@ -15,7 +15,8 @@ import threading
 log = logging.getLogger("tokenfleet.serve")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an int of at least 1 (also used by ``tokenfleet bench engine``)."""
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
@@ -38,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /cache "
                    "(default: $TOKENFLEET_API_KEY if set)")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20)
-    p.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="default: context - 1")
-    p.add_argument("--max-tokens-limit", type=_positive_int, default=None, help="largest max_tokens accepted")
-    p.add_argument("--max-queue", type=_positive_int, default=256,
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None, help="default: context - 1")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=None, help="largest max_tokens accepted")
+    p.add_argument("--max-queue", type=positive_int, default=256,
                    help="waiting requests beyond this get 429 with Retry-After")
     p.add_argument("--drain-timeout", type=_non_negative_float, default=25.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
@@ -49,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--kv-cache-mb", type=_positive_int, default=512)
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--kv-cache-mb", type=positive_int, default=512)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--num-threads", type=_positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--num-threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--log-level", default="info")
     return p
 

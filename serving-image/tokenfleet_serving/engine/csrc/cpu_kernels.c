@@ -541,6 +541,12 @@ static inline void transpose8(const float *const *rows, float *dst, int64_t dst_
     }
 }
 
+/* Where key i of a sequence with block table `table` starts in one kv head's part of a pool layer. */
+static inline int64_t key_offset(const int64_t *table, int64_t i, int64_t block_size, int64_t head_dim)
+{
+    return (table[i / block_size] * block_size + i % block_size) * head_dim;
+}
+
 /* Keys from..to-1 (from and to multiples of 16) of one kv head (at offset `at` in the pool layers k, v) of
  * the sequence with block table `table` and n keys, into key panels kp [(to - from) / 16][head_dim][16]
  * and value panels vp [head_dim / 16][to - from][16]; keys from n on are zeros. With `ahead` > 0 it also
@@ -559,10 +565,10 @@ static void pack_kv(const float *k, const float *v, const int64_t *table, int64_
                 for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memset(vd + d0 * width, 0, 16 * sizeof(float));
                 continue;
             }
-            rows[i - i0] = k + at + (table[i / block_size] * block_size + i % block_size) * head_dim;
+            rows[i - i0] = k + at + key_offset(table, i, block_size, head_dim);
             const float *vrow = v + (rows[i - i0] - k);
             if (ahead > 0 && i + ahead < n) {
-                const int64_t later = at + (table[(i + ahead) / block_size] * block_size + (i + ahead) % block_size) * head_dim;
+                const int64_t later = at + key_offset(table, i + ahead, block_size, head_dim);
                 prefetch(k + later, head_dim);
                 prefetch(v + later, head_dim);
             }
