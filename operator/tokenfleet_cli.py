@@ -18,6 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("crds",): ("tokenfleet_operator.crdgen", "main", "write crds/*.yaml from the pydantic models (--check for drift)"),
     ("operator",): ("tokenfleet_operator.main", "main", "run the Kopf operator"),
     ("serve",): ("tokenfleet_serving.server.main", "main", "serve a model over the OpenAI-compatible API"),
+    ("batch",): ("tokenfleet_serving.batch.main", "main", "one member of a checkpointed batch-inference gang (role: batch Slices)"),
     ("route",): ("tokenfleet_serving.router.main", "main", "cache- and load-aware router in front of serving replicas"),
     ("bench", "engine"): ("tokenfleet_serving.bench.engine", "main", "engine throughput and prefix-cache benchmark"),
     ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),
