@@ -44,7 +44,7 @@ PENDING = "Pending"          # every member exists, none bound: ready to place
 RUNNING = "Running"          # its members hold capacity
 PARTIAL = "Partial"          # some live members bound, some not: roll back
 SETTLING = "Settling"        # members missing, terminating or finished: the Slice controller acts first
-NOT_GANG = "NotGang"         # cpu Slices, invalid or Failed Slices, pods of another scheduler
+NOT_GANG = "NotGang"         # cpu Slices, invalid, Failed or Succeeded Slices, pods of another scheduler
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def classify(obj: dict[str, Any], spec: SliceSpec | None, pods: list[dict[str, A
     """The state of one Slice, from its own member pods."""
     if spec is None or spec.accelerator.type == "cpu" or check_slice(spec):
         return NOT_GANG
-    if obj["metadata"].get("deletionTimestamp") or (obj.get("status") or {}).get("phase") == "Failed":
+    if obj["metadata"].get("deletionTimestamp") or (obj.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
         return NOT_GANG if not any(holds_capacity(p) for p in pods) else RUNNING
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")
             and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]

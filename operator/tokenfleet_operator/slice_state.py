@@ -11,6 +11,12 @@ gang), the whole gang is torn down and, after an exponential backoff, made
 again as the next attempt, until restartPolicy.maxRestarts is spent and the
 Slice is Failed. New pods are created only once the previous attempt's pods
 are gone (BlockingRecreate), so accelerators are never double-booked.
+
+A batch Slice (role: batch) ends: once every member of an attempt has exited
+successfully it is Succeeded (condition Complete=True) and stays so until its
+spec changes. A restarted batch gang is told to resume from its checkpoint
+store (TOKENFLEET_RESTORE_FROM); the checkpoint its leader reports is kept in
+status.checkpoint.
 """
 from __future__ import annotations
 
@@ -120,6 +126,10 @@ class SlicePlan:
     counts_restart: bool = False
 
 
+# How often a running batch Slice with checkpoints is reconciled to read its leader's latest checkpoint.
+CHECKPOINT_READ_SECONDS = 5.0
+
+
 def backoff_seconds(spec: SliceSpec, restart_number: int) -> int:
     """Delay before restart number n (1-based): base * 2^(n-1), capped."""
     policy = spec.restart_policy
@@ -132,12 +142,13 @@ def slice_revision(spec: SliceSpec) -> str:
     return revision_of(spec.to_wire())
 
 
-def _failure(current: list[PodView], hosts: int, was_running: bool) -> tuple[str, int, str] | None:
-    """(reason, member, message) of the first member failure of the current attempt, if any."""
+def _failure(current: list[PodView], hosts: int, was_running: bool, batch: bool) -> tuple[str, int, str] | None:
+    """(reason, member, message) of the first member failure of the current attempt, if any. A batch
+    member that exits successfully has done its part; a serving member must not exit."""
     for pod in sorted(current, key=lambda p: p.member or 0):
         if pod.phase == "Failed":
             return "MemberFailed", pod.member or 0, f"pod {pod.name} failed: {pod.failure or 'no reason given'}"
-        if pod.phase == "Succeeded":
+        if pod.phase == "Succeeded" and not batch:
             return "MemberExited", pod.member or 0, f"pod {pod.name} exited; a serving member must keep running"
         if pod.restarts > 0:
             return "ContainerRestarted", pod.member or 0, f"a container of pod {pod.name} restarted"
@@ -189,8 +200,11 @@ def plan_slice(
     now: dt.datetime,
     admission: Admission | None = None,
     node_domains: dict[str, str] | None = None,
+    reported_checkpoint: dict[str, str] | None = None,
 ) -> SlicePlan:
+    """``reported_checkpoint``: {latest, savedAt} as the leader member reports it, if it was read."""
     admission = admission or Admission()
+    batch = spec.role == "batch"
     gang = admission.scheduler_name is not None
     node_domains = node_domains or {}
     meta = obj["metadata"]
@@ -206,6 +220,8 @@ def plan_slice(
     not_before = old.get("restartNotBefore")
     phase = old.get("phase", "Pending")
     checkpoint = old.get("checkpoint")
+    if reported_checkpoint and spec.checkpoint is not None:
+        checkpoint = dict(checkpoint or {}) | reported_checkpoint
     if old.get("revision") not in (None, revision):
         # A new spec is a new gang: fresh restart budget.
         restarts, last_restart, not_before = 0, None, None
@@ -226,8 +242,16 @@ def plan_slice(
         members = {
             "desired": spec.hosts,
             "scheduled": sum(1 for p in current if p.node),
-            "ready": sum(1 for p in current if p.ready),
+            "ready": sum(1 for p in current if p.ready or (batch and p.phase == "Succeeded")),
         }
+        if batch:
+            members["succeeded"] = sum(1 for p in current if p.phase == "Succeeded")
+            if new_phase == "Succeeded":
+                desired = [*desired, cond.Desired("Complete", "True", "AllMembersSucceeded",
+                                                  f"all {spec.hosts} members exited successfully")]
+            else:
+                desired = [*desired, cond.Desired("Complete", "False", "Running" if new_phase != "Failed" else "Failed",
+                                                  f"{members['succeeded']}/{spec.hosts} members finished")]
         placement = [
             {k: v for k, v in {
                 "member": p.member, "pod": p.name, "node": p.node,
@@ -287,6 +311,19 @@ def plan_slice(
             cond.Desired("Failed", "True", reason, message),
         ])
 
+    # 2b. A batch job that has finished stays finished (its pods stay, for their logs).
+    done = [p for p in current if p.phase == "Succeeded"]
+    if batch and (phase == "Succeeded" or (len({p.member for p in done}) >= spec.hosts and len(current) == len(done))):
+        text = f"all {spec.hosts} members exited successfully"
+        if phase != "Succeeded":
+            plan.events.append(Event("Normal", "Completed", text + (f" after {restarts} gang restarts" if restarts else "")))
+        return finish("Succeeded", [
+            cond.Desired("Admitted", "True", "Completed", text),
+            cond.Desired("Placed", "False", "Completed", text),
+            cond.Desired("Ready", "False", "Completed", text),
+            cond.Desired("Failed", "False", "Completed", text),
+        ])
+
     # 3a. Preempted (gang scheduler): give the capacity back, wait, and queue again.
     # No restart is counted: the gang did nothing wrong.
     if gang and admission.preempted_by and (any(p.node for p in current) or terminating):
@@ -304,7 +341,7 @@ def plan_slice(
     # 3. A member of the current attempt failed: restart the whole gang, or give up.
     # Members missing from a running gang are lost, unless they are being replaced.
     failure = _failure(current, spec.hosts, was_running=phase in ("Ready", "Degraded") and not stale and not terminating
-                       and not (gang and admission.preempted_by))
+                       and not (gang and admission.preempted_by), batch=batch)
     # A pod of the current attempt that is being deleted was not deleted by us
     # (we only delete older attempts): an eviction, a drain or a person.
     deleted = [p for p in terminating if p.revision == revision and p.attempt == attempt and p.member is not None]
@@ -384,7 +421,9 @@ def plan_slice(
     present = {p.member for p in current}
     restore_from = None
     if restarts and spec.checkpoint is not None and spec.checkpoint.restore_on_restart:
-        restore_from = (checkpoint or {}).get("latest") or spec.checkpoint.store
+        # The store, not status.checkpoint.latest: a commit made after the operator last read the
+        # leader's report is newer than that, and the workload finds the newest commit itself.
+        restore_from = spec.checkpoint.store
     for member in range(spec.hosts):
         if member in present:
             continue
@@ -394,7 +433,7 @@ def plan_slice(
     if plan.create and restarts and restore_from:
         checkpoint = dict(checkpoint or {}) | {"restoredAt": now_s}
 
-    ready = sum(1 for p in current if p.ready)
+    ready = sum(1 for p in current if p.ready or (batch and p.phase == "Succeeded"))   # a finished batch member is done
     scheduled = sum(1 for p in current if p.node)
     unschedulable = [p for p in current if p.unschedulable]
     failed_cond = cond.Desired("Failed", "False", "WithinRestartBudget", restart_text or "no restarts")
@@ -428,16 +467,19 @@ def plan_slice(
     else:
         placed = cond.Desired("Placed", "False", "MembersPending", f"{scheduled}/{spec.hosts} members scheduled")
     admitted = cond.Desired("Admitted", "True", admission.reason, admission.message)
+    if batch and spec.checkpoint is not None:
+        plan.requeue_after = CHECKPOINT_READ_SECONDS     # read the leader's checkpoint again soon
     if ready == spec.hosts:
         return finish("Ready", [admitted, placed, cond.Desired("Ready", "True", "AllMembersReady", f"{ready}/{spec.hosts} members ready"), failed_cond])
     if phase in ("Ready", "Degraded") and not plan.create:
-        not_ready = ", ".join(p.name for p in current if not p.ready)
+        not_ready = ", ".join(p.name for p in current if not (p.ready or (batch and p.phase == "Succeeded")))
         return finish("Degraded", [
             admitted, placed,
             cond.Desired("Ready", "False", "MembersNotReady", f"{ready}/{spec.hosts} members ready; not ready: {not_ready}"),
             failed_cond,
         ])
-    plan.requeue_after = None
+    if not (batch and spec.checkpoint is not None):
+        plan.requeue_after = None
     return finish("Placing", [
         admitted, placed,
         cond.Desired("Ready", "False", "MembersNotReady" if not unschedulable else "Unschedulable",

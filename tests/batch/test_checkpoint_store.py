@@ -154,3 +154,43 @@ def test_staged_rounds_of_other_attempts_are_cleared_by_the_leader(tmp_path):
     head = run_member(store, items, digest, Member(0, 1), 1, squares, resume=False)
     assert [r["square"] for r in store.results(head, 1)] == [0, 1]
     assert not os.path.exists(tmp_path / "ck" / "staging" / "old-a0-scratch")
+
+
+def test_the_members_metrics_report_the_latest_commit_to_the_operator(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import Histogram
+
+    from tokenfleet_operator.checkpoint_report import USER_AGENT, checkpoint_from_metrics
+    from tokenfleet_serving.batch.job import Progress
+    from tokenfleet_serving.batch.main import OPERATOR_AGENT, serve_metrics
+    assert OPERATOR_AGENT == USER_AGENT
+    items, digest = write_items(tmp_path / "in.jsonl", 3)
+    progress, scraped = Progress(), threading.Event()
+    port = _free_port()
+    serve_metrics("127.0.0.1", port, progress, 2, [7], Histogram("h_seconds", "h", registry=None), scraped)
+    url = f"http://127.0.0.1:{port}"
+
+    def get(path, agent="probe"):
+        with urllib.request.urlopen(urllib.request.Request(url + path, headers={"User-Agent": agent}), timeout=5) as r:
+            return r.read().decode()
+    assert get("/health") == "ok\n"
+    assert checkpoint_from_metrics(get("/metrics")) is None                # nothing committed yet
+    head = run_member(CheckpointStore(tmp_path / "ck"), items, digest, Member(0, 1), 2, squares, resume=False,
+                      progress=progress)
+    text = get("/metrics")
+    assert not scraped.is_set()                                           # a probe or Prometheus: not the operator
+    assert checkpoint_from_metrics(text)["latest"] == head.id
+    assert "tokenfleet_batch_committed_round 2.0" in text and "tokenfleet_batch_output_tokens_total 7.0" in text
+    get("/metrics", agent=USER_AGENT)
+    assert scraped.is_set()
+    with pytest.raises(urllib.error.HTTPError):
+        get("/other")
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

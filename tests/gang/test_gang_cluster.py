@@ -256,3 +256,84 @@ def test_a_partly_bound_slice_found_by_the_operator_is_rolled_back(cluster, name
                              "-o", "jsonpath={.items[*].reason}").stdout.split()
     assert "GangRolledBack" in events
     assert slice_obj(cluster, namespace, "half")["status"]["restarts"] == 0
+
+
+# ---------------------------------------------------------------- checkpointed batch gang
+
+def _member_pid(input_path: Path, member: int, attempt: int) -> int | None:
+    """The local process of one member of the batch job that reads ``input_path``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if str(input_path).encode() not in (proc / "cmdline").read_bytes():
+                continue
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if env.get(b"TOKENFLEET_MEMBER_INDEX") == str(member).encode() and env.get(b"TOKENFLEET_ATTEMPT") == str(attempt).encode():
+            return int(proc.name)
+    return None
+
+
+def test_a_batch_gang_resumes_from_its_checkpoint_when_a_member_dies(cluster, namespace, pool, operator, tmp_path):
+    """Member 1 is SIGKILLed after the first commit. The whole gang restarts, resumes after the latest
+    commit (not from the start), finishes, and the job's results hold every item exactly once, with the
+    tokens the engine gives for them."""
+    import json
+    import os
+    import signal
+
+    from tokenfleet_serving.batch.checkpoint_store import CheckpointStore
+    from tokenfleet_serving.engine import LLMEngine, SamplingParams
+    from tokenfleet_serving.testing_models import create_random_checkpoint
+
+    model = create_random_checkpoint(tmp_path / "tiny", max_position_embeddings=512)
+    prompts = [f"batch item {i} about {i * 13}" for i in range(40)]
+    inp = tmp_path / "items.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 32}) + "\n" for i, p in enumerate(prompts)))
+    store_dir = tmp_path / "ck"
+    manifest = gang("job", pool["accel"], hosts=2, per_host=4)
+    spec = manifest["spec"]
+    spec |= {"role": "batch", "checkpoint": {"store": f"hostpath://{store_dir}"},
+             "restartPolicy": {"maxRestarts": 2, "backoffSeconds": 1}}
+    spec["template"]["spec"] = {"containers": [{
+        "name": "main", "image": "tokenfleet/serving:test",
+        "command": ["tokenfleet", "batch", "--model", str(model), "--input", str(inp), "--items-per-round", "1",
+                    "--host", "0.0.0.0", "--port", "8000", "--num-threads", "1", "--kv-cache-mb", "32",
+                    "--report-timeout", "10"],
+        "ports": [{"name": "metrics", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    }]}
+    apply(cluster, manifest, namespace)
+    store = CheckpointStore(store_dir)
+    wait_for("member 1's process", lambda: _member_pid(inp, 1, 0), 120, operator)
+    deadline = time.monotonic() + 120
+    while not (store_dir.exists() and store.latest()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(_member_pid(inp, 1, 0), signal.SIGKILL)
+    killed_after = store.latest()
+    assert not killed_after.finished
+
+    done = wait_for("Succeeded", lambda: phase_is(cluster, namespace, "job", "Succeeded"), 240, operator)
+    status = done["status"]
+    assert status["restarts"] == 1 and status["lastRestart"]["reason"] == "MemberFailed"
+    assert condition(done, "Complete")["status"] == "True"
+    assert status["members"]["succeeded"] == 2
+    head = store.latest()
+    assert head.finished and status["checkpoint"]["latest"] == head.id and status["checkpoint"]["restoredAt"]
+    chain = store.chain(head)
+    runs = [c.run for c in chain]
+    # rounds up to the kill were committed by attempt 0 and kept; attempt 1 resumed after them
+    assert runs[0].endswith("-a0-scratch") and runs[-1].split("-a")[1].startswith("1-")
+    resumed_at = next(i for i, r in enumerate(runs) if r != runs[0])
+    assert resumed_at >= killed_after.round
+
+    result = [json.loads(line) for line in (store_dir / "RESULT.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in result] == [f"q{i}" for i in range(40)]
+    engine = LLMEngine.from_pretrained(model, dtype="float32", device="cpu", kv_cache_bytes=64 * 2**20)
+    expected = engine.generate([engine.tokenizer.encode(p) for p in prompts],
+                               SamplingParams(max_tokens=32, temperature=0.0))
+    assert [r["token_ids"] for r in result] == [e.new_token_ids for e in expected]
+    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=job").stdout
+    assert "GangRestart" in events and "Completed" in events

@@ -37,6 +37,12 @@ def test_classify_states():
     for p in foreign:
         p["spec"].pop("schedulerName")
     assert classify(s, spec_of(s), foreign) == NOT_GANG
+    # a finished batch job holds nothing and waits for nothing
+    done = members(s, nodes=["a0", "a1"])
+    for p in done:
+        p["status"] = {"phase": "Succeeded"}
+    assert classify(s, spec_of(s), done) == SETTLING                  # until the operator records it
+    assert classify({**s, "status": {"phase": "Succeeded"}}, spec_of(s), done) == NOT_GANG
 
 
 def test_member_pods_carry_the_scheduler_name_and_no_colocation_affinity():

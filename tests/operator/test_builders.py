@@ -197,10 +197,35 @@ def test_member_pod_bound_by_a_placer_and_on_cpu():
     assert pod["metadata"]["labels"]["tokenfleet.dev/leader"] == "true"
 
 
-def test_member_pod_restore_environment():
+def test_member_pod_restore_environment_and_checkpoint_volume():
     body = slice_body(role="batch", checkpoint={"store": "pvc://ckpt/run1", "intervalSeconds": 60})
     spec = SliceSpec.model_validate(body["spec"])
-    env = {e["name"]: e["value"] for e in member_pod(body, spec, 0, attempt=1, revision="r", restore_from="step-42")["spec"]["containers"][0]["env"]}
+    pod = member_pod(body, spec, 0, attempt=1, revision="r", restore_from="pvc://ckpt/run1")
+    main = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in main["env"]}
     assert env["TOKENFLEET_CHECKPOINT_STORE"] == "pvc://ckpt/run1"
     assert env["TOKENFLEET_CHECKPOINT_INTERVAL_SECONDS"] == "60"
-    assert env["TOKENFLEET_RESTORE_FROM"] == "step-42"
+    assert env["TOKENFLEET_RESTORE_FROM"] == "pvc://ckpt/run1"
+    assert env["TOKENFLEET_REVISION"] == "r" and env["TOKENFLEET_ATTEMPT"] == "1"
+    assert env["TOKENFLEET_CHECKPOINT_DIR"] == "/var/run/tokenfleet/checkpoints/run1"
+    assert {"name": "tokenfleet-checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
+    assert {"name": "tokenfleet-checkpoints", "mountPath": "/var/run/tokenfleet/checkpoints"} in main["volumeMounts"]
+
+
+@pytest.mark.parametrize("store, volume, directory", [
+    ("pvc://claim", {"persistentVolumeClaim": {"claimName": "claim"}}, "/var/run/tokenfleet/checkpoints"),
+    ("hostpath:///data/ck", {"hostPath": {"path": "/data/ck", "type": "DirectoryOrCreate"}},
+     "/var/run/tokenfleet/checkpoints"),
+    ("file:///mnt/shared/ck", None, "/mnt/shared/ck"),
+    ("s3://bucket/ck", None, None),
+])
+def test_checkpoint_stores_on_volumes_are_mounted(store, volume, directory):
+    body = slice_body(role="batch", checkpoint={"store": store})
+    spec = SliceSpec.model_validate(body["spec"])
+    pod = member_pod(body, spec, 1, attempt=0, revision="r")
+    main = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env.get("TOKENFLEET_CHECKPOINT_DIR") == directory
+    mine = [v for v in pod["spec"].get("volumes", []) if v["name"] == "tokenfleet-checkpoints"]
+    assert [{k: v for k, v in m.items() if k != "name"} for m in mine] == ([volume] if volume else [])
+    assert "TOKENFLEET_RESTORE_FROM" not in env

@@ -201,8 +201,73 @@ def test_restart_tells_the_gang_where_to_restore_from():
     status = {"phase": "Restarting", "restarts": 1, "revision": rev, "checkpoint": {"latest": "step-9"}}
     plan = plan_slice({**body, "status": status}, spec, [], now=T0)
     env = {e["name"]: e["value"] for e in plan.create[0]["spec"]["containers"][0]["env"]}
-    assert env["TOKENFLEET_RESTORE_FROM"] == "step-9"
-    assert plan.status["checkpoint"]["restoredAt"] == "2026-01-01T00:00:00Z"
+    # the store, not the last checkpoint the operator saw: the workload finds the newest commit there
+    assert env["TOKENFLEET_RESTORE_FROM"] == "pvc://ckpt/run"
+    assert plan.status["checkpoint"] == {"latest": "step-9", "restoredAt": "2026-01-01T00:00:00Z"}
+    first = plan_slice({**body, "status": {"phase": "Placing", "revision": rev}}, spec, [], now=T0)
+    assert "TOKENFLEET_RESTORE_FROM" not in {e["name"] for e in first.create[0]["spec"]["containers"][0]["env"]}
+    _, cold, cold_rev = setup(role="batch", checkpoint={"store": "pvc://ckpt/run", "restoreOnRestart": False})
+    plan = plan_slice({**body, "status": {**status, "revision": cold_rev}}, cold, [], now=T0)
+    assert "TOKENFLEET_RESTORE_FROM" not in {e["name"] for e in plan.create[0]["spec"]["containers"][0]["env"]}
+
+
+def batch_setup():
+    return setup(role="batch", checkpoint={"store": "pvc://ckpt/run"})
+
+
+def test_a_batch_member_that_finishes_is_done_not_failed():
+    body, spec, rev = batch_setup()
+    running = {"phase": "Ready", "revision": rev}
+    plan = plan_slice({**body, "status": running}, spec, [member(0, rev), member(1, rev, phase="Succeeded", ready=False)],
+                      now=T0)
+    assert plan.status["phase"] == "Ready" and plan.delete == [] and not plan.counts_restart
+    assert plan.status["members"] == {"desired": 2, "scheduled": 2, "ready": 2, "succeeded": 1}
+    assert cond_of(plan.status, "Complete")["status"] == "False"
+    assert plan.requeue_after == 5.0                     # to read the leader's checkpoint again
+    # a serving member that exits is a failure of the gang
+    body, spec, rev = setup()
+    plan = plan_slice({**body, "status": {"phase": "Ready", "revision": rev}}, spec,
+                      [member(0, rev), member(1, rev, phase="Succeeded", ready=False)], now=T0)
+    assert plan.status["phase"] == "Restarting" and plan.status["lastRestart"]["reason"] == "MemberExited"
+
+
+def test_a_batch_slice_whose_members_all_succeed_is_complete_and_stays_so():
+    body, spec, rev = batch_setup()
+    done = [member(m, rev, attempt=1, phase="Succeeded", ready=False) for m in range(2)]
+    plan = plan_slice({**body, "status": {"phase": "Ready", "revision": rev, "restarts": 1}}, spec, done, now=T0)
+    assert plan.status["phase"] == "Succeeded" and plan.delete == [] and plan.create == []
+    assert cond_of(plan.status, "Complete")["status"] == "True"
+    assert cond_of(plan.status, "Ready")["reason"] == "Completed" and cond_of(plan.status, "Failed")["status"] == "False"
+    assert [(e.reason, e.message) for e in plan.events] == [("Completed", "all 2 members exited successfully after 1 gang restarts")]
+    assert plan.requeue_after is None
+    # its pods going away later changes nothing, and no Event is repeated
+    again = plan_slice(with_status(body, plan), spec, [], now=T0)
+    assert again.status["phase"] == "Succeeded" and again.create == [] and again.events == []
+    # a new spec is a new job
+    _, spec2, rev2 = setup(role="batch", checkpoint={"store": "pvc://ckpt/run"}, hosts=1, topology=None)
+    fresh = plan_slice(with_status(body, plan), spec2, done, now=T0)
+    assert fresh.status["phase"] == "Placing" and fresh.status["revision"] == rev2
+    assert sorted(fresh.delete) == ["llama-0-0", "llama-0-1"]        # the old job's pods go first
+
+
+def test_a_failed_batch_member_restarts_the_whole_gang_even_after_others_finished():
+    body, spec, rev = batch_setup()
+    pods = [member(0, rev, phase="Failed", ready=False, failure="OOMKilled"), member(1, rev, phase="Succeeded", ready=False)]
+    plan = plan_slice({**body, "status": {"phase": "Ready", "revision": rev}}, spec, pods, now=T0)
+    assert plan.status["phase"] == "Restarting" and sorted(plan.delete) == ["llama-0-0", "llama-0-1"]
+    assert plan.status["lastRestart"]["reason"] == "MemberFailed"
+
+
+def test_the_leaders_reported_checkpoint_lands_in_status():
+    body, spec, rev = batch_setup()
+    old = {"phase": "Ready", "revision": rev, "checkpoint": {"latest": "r000001-a", "restoredAt": "2025-12-31T00:00:00Z"}}
+    plan = plan_slice({**body, "status": old}, spec, [member(0, rev), member(1, rev)], now=T0,
+                      reported_checkpoint={"latest": "r000002-b", "savedAt": "2026-01-01T00:00:00Z"})
+    assert plan.status["checkpoint"] == {"latest": "r000002-b", "savedAt": "2026-01-01T00:00:00Z",
+                                         "restoredAt": "2025-12-31T00:00:00Z"}
+    # nothing read (the leader is gone or not up yet): the last known checkpoint stays
+    plan = plan_slice({**body, "status": old}, spec, [member(0, rev), member(1, rev)], now=T0, reported_checkpoint=None)
+    assert plan.status["checkpoint"] == old["checkpoint"]
 
 
 def test_backoff_doubles_and_caps():

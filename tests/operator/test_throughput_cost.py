@@ -81,3 +81,22 @@ def test_scrape_sums_ready_replicas_and_skips_the_unreachable():
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_the_leaders_checkpoint_is_read_from_its_metrics():
+    from tokenfleet_operator.checkpoint_report import checkpoint_from_metrics, metrics_url
+    text = ("# TYPE tokenfleet_batch_committed_round gauge\ntokenfleet_batch_committed_round 3.0\n"
+            "# TYPE tokenfleet_batch_checkpoint_timestamp_seconds gauge\n"
+            'tokenfleet_batch_checkpoint_timestamp_seconds{checkpoint="r000003-ab"} 1.7672256e+09\n')
+    assert checkpoint_from_metrics(text) == {"latest": "r000003-ab", "savedAt": "2026-01-01T00:00:00Z"}
+    assert checkpoint_from_metrics("tokenfleet_batch_committed_round 0.0\n") is None
+    assert checkpoint_from_metrics("not { metrics") is None
+    pod = {"status": {"phase": "Running", "podIP": "127.1.0.5"},
+           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 80},
+                                              {"name": "metrics", "containerPort": 9100}]}]}}
+    assert metrics_url(pod) == "http://127.1.0.5:9100/metrics"
+    pod["spec"]["containers"][0]["ports"] = [{"containerPort": 8000}]
+    assert metrics_url(pod) == "http://127.1.0.5:8000/metrics"
+    assert metrics_url({**pod, "status": {"phase": "Succeeded", "podIP": "127.1.0.5"}}) is None
+    pod["spec"]["containers"][0]["ports"] = []
+    assert metrics_url(pod) is None

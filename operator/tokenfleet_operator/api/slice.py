@@ -20,7 +20,7 @@ from tokenfleet_operator.api.common import (
     rule,
 )
 
-SlicePhase = Literal["Pending", "Admitted", "Placing", "Ready", "Degraded", "Restarting", "Failed"]
+SlicePhase = Literal["Pending", "Admitted", "Placing", "Ready", "Degraded", "Restarting", "Failed", "Succeeded"]
 SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined]
 
 DEFAULT_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
@@ -59,7 +59,11 @@ class CheckpointSpec(ApiModel):
         default=600, description="Seconds between checkpoints taken by the workload.", ge=30, le=86400
     )
     restore_on_restart: bool = Field(
-        default=True, description="Whether a restarted gang is told (TOKENFLEET_RESTORE_FROM) to resume from the latest checkpoint."
+        default=True,
+        description=(
+            "Whether a restarted gang is told to resume from the newest checkpoint committed in the store "
+            "(TOKENFLEET_RESTORE_FROM is set to the store); otherwise it starts over."
+        ),
     )
 
 
@@ -146,7 +150,8 @@ class SliceMembers(ApiModel):
 
     desired: int = Field(default=0, description="Members the slice needs (spec.hosts).", ge=0)
     scheduled: int = Field(default=0, description="Members bound to a node.", ge=0)
-    ready: int = Field(default=0, description="Members whose pod is Ready.", ge=0)
+    ready: int = Field(default=0, description="Members whose pod is Ready (in a batch slice: or finished).", ge=0)
+    succeeded: int | None = Field(default=None, description="Batch slices: members that exited successfully.", ge=0)
 
 
 class MemberPlacement(ApiModel):
@@ -170,7 +175,13 @@ class LastRestart(ApiModel):
 class CheckpointStatus(ApiModel):
     """What the slice knows about its checkpoints."""
 
-    latest: str | None = Field(default=None, description="Identifier of the latest checkpoint reported by the workload.")
+    latest: str | None = Field(
+        default=None,
+        description=(
+            "Identifier of the latest committed checkpoint, as the leader member last reported it "
+            "(tokenfleet_batch_checkpoint_timestamp_seconds on its metrics port)."
+        ),
+    )
     saved_at: str | None = Field(default=None, description="When the latest checkpoint was saved (RFC 3339).")
     restored_at: str | None = Field(default=None, description="When the gang last resumed from a checkpoint (RFC 3339).")
 
@@ -206,7 +217,8 @@ class SliceStatus(ApiModel):
         description=(
             "Pending: waiting for admission (member pods exist but none is bound). Admitted: a placement was found and "
             "the members are being bound. Placing: every member is bound, not all ready. Ready: every member ready. Degraded: was Ready, a member is not ready. Restarting: the "
-            "gang was torn down after a failure and waits for backoff. Failed: restart budget exhausted or invalid spec."
+            "gang was torn down after a failure and waits for backoff. Failed: restart budget exhausted or invalid spec. "
+            "Succeeded: a batch slice whose members all exited successfully (condition Complete)."
         ),
     )
     members: SliceMembers = Field(default_factory=SliceMembers, description="Member counts.")

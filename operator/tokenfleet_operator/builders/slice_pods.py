@@ -3,8 +3,12 @@
 Member i of attempt a is the pod SLICE-i labelled with the attempt and the
 spec revision. The first container is the main one: it gets the accelerator
 request and the TOKENFLEET_* environment. Pods never restart in place
-(restartPolicy Never): a member that exits fails the gang, and the Slice
+(restartPolicy Never): a member that fails fails the gang, and the Slice
 controller restarts all members together.
+
+A checkpoint store on a volume (pvc:// or hostpath://) is mounted into the
+main container at CHECKPOINT_MOUNT; TOKENFLEET_CHECKPOINT_DIR names the
+directory the members share there (for file:// stores, the path itself).
 """
 from __future__ import annotations
 
@@ -27,19 +31,43 @@ from tokenfleet_operator.naming import (
 )
 
 
-def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, restore_from: str | None) -> list[dict[str, str]]:
+CHECKPOINT_MOUNT = "/var/run/tokenfleet/checkpoints"
+CHECKPOINT_VOLUME = "tokenfleet-checkpoints"
+
+
+def checkpoint_volume(store: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the pod volume, the members' directory) for a checkpoint store URI. Object stores (s3://, gs://)
+    need neither: the workload reads TOKENFLEET_CHECKPOINT_STORE itself."""
+    scheme, _, rest = store.partition("://")
+    if scheme == "pvc":
+        claim, _, sub = rest.partition("/")
+        return ({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": claim}},
+                f"{CHECKPOINT_MOUNT}/{sub}".rstrip("/"))
+    if scheme == "hostpath":
+        return ({"name": CHECKPOINT_VOLUME, "hostPath": {"path": rest, "type": "DirectoryOrCreate"}}, CHECKPOINT_MOUNT)
+    if scheme == "file":
+        return None, rest
+    return None, None
+
+
+def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, restore_from: str | None,
+               revision: str) -> list[dict[str, str]]:
     env = [
         {"name": "TOKENFLEET_SLICE", "value": slice_name},
         {"name": "TOKENFLEET_MEMBER_INDEX", "value": str(member)},
         {"name": "TOKENFLEET_SLICE_HOSTS", "value": str(spec.hosts)},
         {"name": "TOKENFLEET_LEADER_POD", "value": member_pod_name(slice_name, 0)},
         {"name": "TOKENFLEET_ATTEMPT", "value": str(attempt)},
+        {"name": "TOKENFLEET_REVISION", "value": revision},
     ]
     if spec.topology:
         env.append({"name": "TOKENFLEET_TOPOLOGY", "value": spec.topology})
     if spec.checkpoint is not None:
         env.append({"name": "TOKENFLEET_CHECKPOINT_STORE", "value": spec.checkpoint.store})
         env.append({"name": "TOKENFLEET_CHECKPOINT_INTERVAL_SECONDS", "value": str(spec.checkpoint.interval_seconds)})
+        directory = checkpoint_volume(spec.checkpoint.store)[1]
+        if directory:
+            env.append({"name": "TOKENFLEET_CHECKPOINT_DIR", "value": directory})
         if restore_from:
             env.append({"name": "TOKENFLEET_RESTORE_FROM", "value": restore_from})
     return env
@@ -107,7 +135,11 @@ def member_pod(
     containers = pod_spec["containers"]
     main = containers[0]
     _with_accelerator(main, spec)
-    main["env"] = list(main.get("env", [])) + member_env(name, spec, member, attempt, restore_from)
+    main["env"] = list(main.get("env", [])) + member_env(name, spec, member, attempt, restore_from, revision)
+    volume = checkpoint_volume(spec.checkpoint.store)[0] if spec.checkpoint is not None else None
+    if volume is not None:
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), volume]
+        main["volumeMounts"] = [*main.get("volumeMounts", []), {"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_MOUNT}]
     if spec.accelerator.type != "cpu":
         pod_spec["nodeSelector"] = dict(pod_spec.get("nodeSelector", {})) | {ACCELERATOR_NODE_LABEL: spec.accelerator.type}
     if node:

@@ -10,9 +10,10 @@ from pydantic import ValidationError
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.checkpoint_report import read_checkpoint
 from tokenfleet_operator.handlers.errors import InvalidSpec
 from tokenfleet_operator.kube import Kube
-from tokenfleet_operator.naming import SLICE_LABEL
+from tokenfleet_operator.naming import LEADER_LABEL, SLICE_LABEL
 from tokenfleet_operator.slice_state import Admission, PodView, plan_slice, pod_view
 from tokenfleet_operator.validation import Problem
 
@@ -66,12 +67,18 @@ def reconcile_slice(kube: Kube, body: dict[str, Any], *, admit: AdmitFn | None =
         if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences") or [])
     ]
     pods = [pod_view(p) for p in pod_objs]
+    reported = None
+    if spec.role == "batch" and spec.checkpoint is not None:
+        leaders = [p for p in pod_objs if (p["metadata"].get("labels") or {}).get(LEADER_LABEL) == "true"
+                   and not p["metadata"].get("deletionTimestamp")]
+        reported = read_checkpoint(leaders[0]) if len(leaders) == 1 else None
     uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pod_objs}
     plan = plan_slice(
         body, spec, pods,
         now=now or dt.datetime.now(dt.timezone.utc),
         admission=(admit or _ADMISSION)(body, spec, pods),
         node_domains=_node_domains(kube, pods, spec.topology_key, {}),
+        reported_checkpoint=reported,
     )
     if plan.counts_restart:
         # Record the restart first, guarded by resourceVersion: if another pass got

@@ -25,6 +25,7 @@ from .job import JobError, Member, Progress, read_items, run_member
 
 log = logging.getLogger("tokenfleet.batch")
 
+OPERATOR_AGENT = "tokenfleet-operator"     # the User-Agent of the operator's reads of the leader's /metrics
 ITEM_KEYS = {"id", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "seed"}
 
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address of /metrics")
     p.add_argument("--port", type=int, default=8000, help="port of /metrics (0: none)")
     p.add_argument("--report-timeout", type=float, default=15.0,
-                   help="seconds the leader keeps /metrics up after the last commit, until it is read once")
+                   help="seconds the leader keeps /metrics up after the last commit, until the operator has "
+                        "read it once (so status.checkpoint shows the final commit)")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the other members")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-mb", type=positive_int, default=256)
@@ -124,7 +126,8 @@ class EngineCompute:
 
 def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, output_tokens: list[int],
                   commit_seconds, scraped: threading.Event) -> None:
-    """/metrics (any path) with this member's progress; sets ``scraped`` on every read."""
+    """/metrics with this member's progress (and /health, 200 while the process runs). ``scraped`` is
+    set whenever the operator (User-Agent tokenfleet-operator) reads /metrics."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from prometheus_client import CollectorRegistry, generate_latest
@@ -152,13 +155,18 @@ def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, o
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = generate_latest(registry)
+            path = self.path.split("?")[0]
+            if path not in ("/metrics", "/health"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry) if path == "/metrics" else b"ok\n"
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            scraped.set()
+            if path == "/metrics" and self.headers.get("User-Agent", "").startswith(OPERATOR_AGENT):
+                scraped.set()
 
         def log_message(self, *args):
             pass
