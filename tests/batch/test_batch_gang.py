@@ -90,12 +90,35 @@ def test_the_batch_command_gives_the_engines_outputs_once(tmp_path, tiny_model):
     assert [r["completion_tokens"] for r in result] == [5 + i % 3 for i in range(7)]
 
 
-def test_bad_items_fail_before_any_work_with_exit_code_2(tmp_path, tiny_model):
+def run_batch(tmp_path, model, lines):
     items = tmp_path / "in.jsonl"
-    items.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x", "temperature": -1}) + "\n")
-    done = subprocess.run([sys.executable, "-m", "tokenfleet_cli", "batch", "--model", str(tiny_model), "--input",
+    items.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return subprocess.run([sys.executable, "-m", "tokenfleet_cli", "batch", "--model", str(model), "--input",
                            str(items), "--checkpoint-dir", str(tmp_path / "ck"), "--port", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"prompt": "x", "temperature": -1}, ["item 2", "temperature"]),
+    ({"prompt": ["not", "text"]}, ["item 2", "prompt must be a non-empty string"]),
+    ({"prompt_token_ids": [1, "2"]}, ["item 2", "prompt_token_ids must be a non-empty list of token ids"]),
+    ({"prompt": "x", "messages": []}, ["item 2", "exactly one of"]),
+    ({"prompt": "x", "stream": True}, ["item 2", "unknown field(s) ['stream']"]),
+])
+def test_bad_items_fail_before_any_work_with_exit_code_2(tmp_path, tiny_model, bad, words):
+    done = run_batch(tmp_path, tiny_model, [{"prompt": "ok"}, bad])
     assert done.returncode == 2
-    assert "item 2" in done.stderr and "temperature" in done.stderr
+    assert all(w in done.stderr for w in words), done.stderr[-500:]
     assert not (tmp_path / "ck" / "LATEST").exists()
+
+
+def test_items_the_model_cannot_take_get_an_error_result_once(tmp_path, tiny_model):
+    done = run_batch(tmp_path, tiny_model, [{"id": "a", "prompt": "fine", "max_tokens": 3},
+                                            {"id": "b", "prompt_token_ids": [10**6]},
+                                            {"id": "c", "prompt_token_ids": [5] * 600},
+                                            {"id": "d", "prompt": "also fine", "max_tokens": 3}])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = [json.loads(line) for line in (tmp_path / "ck" / "RESULT.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in result] == ["a", "b", "c", "d"]
+    assert "outside the vocabulary" in result[1]["error"] and "context is 512" in result[2]["error"]
+    assert [r["completion_tokens"] for r in (result[0], result[3])] == [3, 3]

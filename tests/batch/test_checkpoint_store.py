@@ -169,7 +169,8 @@ def test_the_members_metrics_report_the_latest_commit_to_the_operator(tmp_path):
     items, digest = write_items(tmp_path / "in.jsonl", 3)
     progress, scraped = Progress(), threading.Event()
     port = _free_port()
-    serve_metrics("127.0.0.1", port, progress, 2, [7], Histogram("h_seconds", "h", registry=None), scraped)
+    progress.output_tokens = 7
+    serve_metrics("127.0.0.1", port, progress, 2, Histogram("h_seconds", "h", registry=None), scraped)
     url = f"http://127.0.0.1:{port}"
 
     def get(path, agent="probe"):

@@ -76,12 +76,13 @@ class Member:
 
 @dataclass
 class Progress:
-    """What a member reports (its metrics): rounds done and committed, the latest commit."""
+    """What a member reports (its metrics): rounds done and committed, the latest commit, tokens made."""
     rounds: int = 0
     computed_items: int = 0
     committed_round: int = 0
     latest: Commit | None = None
     commits: int = 0
+    output_tokens: int = 0
 
 
 def run_member(store: CheckpointStore, items: list[dict[str, Any]], digest: str, member: Member, per_round: int,

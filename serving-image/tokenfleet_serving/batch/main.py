@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+from tokenfleet_serving.engine.sampling_params import SamplingParams
+
 from .checkpoint_store import CheckpointStore, StoreError
 from .job import JobError, Member, Progress, read_items, run_member
 
@@ -76,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_items(items: list[dict[str, Any]], max_tokens: int) -> None:
     """Reject bad items before any work, naming the line's item and field."""
-    from tokenfleet_serving.engine.sampling_params import SamplingParams
     for n, item in enumerate(items, start=1):
         unknown = set(item) - ITEM_KEYS
         if unknown:
@@ -84,48 +85,74 @@ def check_items(items: list[dict[str, Any]], max_tokens: int) -> None:
         sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in item]
         if len(sources) != 1:
             raise JobError(f"item {n}: needs exactly one of prompt, prompt_token_ids, messages (has {sources})")
+        kind, value = sources[0], item[sources[0]]
+        if not ((kind == "prompt" and isinstance(value, str) and value)
+                or (kind == "prompt_token_ids" and isinstance(value, list) and value
+                    and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+                or (kind == "messages" and isinstance(value, list) and value and all(isinstance(m, dict) for m in value))):
+            raise JobError(f"item {n}: {kind} must be a non-empty "
+                           + {"prompt": "string", "prompt_token_ids": "list of token ids",
+                              "messages": "list of message objects"}[kind])
         try:
-            sampling(item, max_tokens, SamplingParams)
+            sampling(item, max_tokens)
         except (TypeError, ValueError) as e:
             raise JobError(f"item {n}: {e}") from None
 
 
-def sampling(item: dict[str, Any], max_tokens: int, cls):
-    return cls(max_tokens=item.get("max_tokens", max_tokens), temperature=item.get("temperature", 0.0),
+def sampling(item: dict[str, Any], max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=item.get("max_tokens", max_tokens), temperature=item.get("temperature", 0.0),
                top_p=item.get("top_p", 1.0), seed=item.get("seed"))
 
 
 class EngineCompute:
-    """Items -> results with the engine: all of a round's items in one continuous batch."""
+    """Items -> results with the engine: all of a round's items in one continuous batch. An item the
+    model cannot take (no tokenizer or chat template, a prompt token out of the vocabulary, a prompt
+    longer than the context) gets an ``error`` result, committed like any other: it is not retried."""
 
-    def __init__(self, engine, max_tokens: int, progress_tokens: list[int]):
-        from tokenfleet_serving.engine.sampling_params import SamplingParams
-        self.engine, self.max_tokens, self.tokens, self.params_cls = engine, max_tokens, progress_tokens, SamplingParams
+    def __init__(self, engine, max_tokens: int, progress: Progress):
+        self.engine, self.max_tokens, self.progress = engine, max_tokens, progress
 
     def prompt_ids(self, item: dict[str, Any]) -> list[int]:
-        tok = self.engine.tokenizer
+        tok, vocab = self.engine.tokenizer, self.engine.model_config.vocab_size
         if "prompt_token_ids" in item:
-            return [int(t) for t in item["prompt_token_ids"]]
-        if tok is None:
-            raise JobError("the model has no tokenizer: items need prompt_token_ids")
-        if "messages" in item:
-            return tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False)
-        return tok.encode(item["prompt"])
+            ids = item["prompt_token_ids"]
+        elif tok is None:
+            raise ValueError("the model has no tokenizer: use prompt_token_ids")
+        elif "messages" in item:
+            ids = tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False)
+        else:
+            ids = tok.encode(item["prompt"])
+        if max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids: token {max(ids)} is outside the vocabulary of {vocab}")
+        if len(ids) >= self.engine.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.engine.max_model_len}")
+        return ids
 
     def __call__(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        prompts = [self.prompt_ids(i) for i in items]
-        outs = self.engine.generate(prompts, [sampling(i, self.max_tokens, self.params_cls) for i in items])
+        prompts: list[list[int] | str] = []
+        for item in items:
+            try:
+                prompts.append(self.prompt_ids(item))
+            except Exception as e:       # the tokenizer's and chat template's errors too
+                prompts.append(f"{type(e).__name__}: {e}")
+        good = [i for i, p in enumerate(prompts) if isinstance(p, list)]
+        outs = dict(zip(good, self.engine.generate([prompts[i] for i in good],
+                                                   [sampling(items[i], self.max_tokens) for i in good])))
         results = []
-        for item, prompt, out in zip(items, prompts, outs):
-            self.tokens[0] += len(out.new_token_ids)
+        for i, (item, prompt) in enumerate(zip(items, prompts)):
+            if i not in outs:
+                results.append({"id": item.get("id"), "error": prompt})
+                continue
+            out = outs[i]
+            self.progress.output_tokens += len(out.new_token_ids)
             results.append({"id": item.get("id"), "text": out.text_delta, "token_ids": out.new_token_ids,
                             "finish_reason": out.finish_reason, "prompt_tokens": len(prompt),
                             "completion_tokens": len(out.new_token_ids)})
         return results
 
 
-def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, output_tokens: list[int],
-                  commit_seconds, scraped: threading.Event) -> None:
+def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, commit_seconds,
+                  scraped: threading.Event) -> None:
     """/metrics with this member's progress (and /health, 200 while the process runs). ``scraped`` is
     set whenever the operator (User-Agent tokenfleet-operator) reads /metrics."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -139,7 +166,7 @@ def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, o
             yield CounterMetricFamily("tokenfleet_batch_items_computed", "Items this member computed (again "
                                       "after a restart, if their round was not committed)", progress.computed_items)
             yield CounterMetricFamily("tokenfleet_batch_output_tokens", "Tokens this member generated",
-                                      output_tokens[0])
+                                      progress.output_tokens)
             yield GaugeMetricFamily("tokenfleet_batch_job_rounds", "Rounds of the whole job", total_rounds)
             yield GaugeMetricFamily("tokenfleet_batch_committed_round", "Round of the latest commit",
                                     progress.committed_round)
@@ -201,20 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 
     from .job import num_rounds
-    progress, tokens, scraped = Progress(), [0], threading.Event()
+    progress, scraped = Progress(), threading.Event()
     commit_seconds = Histogram("tokenfleet_batch_checkpoint_commit_seconds", "Leader: from staging its round to "
                                "the commit (waiting for the other members included)", registry=None,
                                buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
     if args.port:
         serve_metrics(args.host, args.port, progress, num_rounds(len(items), member.hosts, args.items_per_round),
-                      tokens, commit_seconds, scraped)
+                      commit_seconds, scraped)
     try:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
                                         kv_cache_bytes=args.kv_cache_mb * 2**20, num_threads=args.num_threads))
     except Exception as e:   # a model that does not load: the message names the file or field
         log.error("model %s: %s", args.model, e)
         return 2
-    compute = EngineCompute(engine, args.max_tokens, tokens)
+    compute = EngineCompute(engine, args.max_tokens, progress)
     started = time.monotonic()
     try:
         head = run_member(store, items, digest, member, args.items_per_round, compute,
