@@ -2,34 +2,26 @@
 
 The leader member exports ``tokenfleet_batch_checkpoint_timestamp_seconds{checkpoint="ID"}`` (the
 time of its latest commit) on its metrics port: the container port named ``metrics``, else the main
-container's first port. Parsing is pure; the HTTP GET is the thin part and treats an unreachable
-leader as "nothing reported".
+container's first port. Parsing is pure; the GET (``pod_metrics.fetch``) treats an unreachable leader
+as "nothing reported".
 """
 from __future__ import annotations
 
 import datetime as dt
 import math
-import urllib.request
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from tokenfleet_operator.pod_metrics import fetch, samples
 
 CHECKPOINT_METRIC = "tokenfleet_batch_checkpoint_timestamp_seconds"
-# The leader of a finished job waits (a bounded time) for a read with this agent before it exits, so the
-# final commit reaches status.checkpoint.
-USER_AGENT = "tokenfleet-operator"
 
 
 def checkpoint_from_metrics(text: str) -> dict[str, str] | None:
     """{latest, savedAt} from the leader's /metrics text, or None when it reports no commit yet."""
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == CHECKPOINT_METRIC and sample.labels.get("checkpoint") and math.isfinite(sample.value):
-                    saved = dt.datetime.fromtimestamp(sample.value, dt.timezone.utc)
-                    return {"latest": sample.labels["checkpoint"], "savedAt": saved.strftime("%Y-%m-%dT%H:%M:%SZ")}
-    except ValueError:
-        return None
+    for sample in samples(text, CHECKPOINT_METRIC):
+        if sample.labels.get("checkpoint") and math.isfinite(sample.value):
+            saved = dt.datetime.fromtimestamp(sample.value, dt.timezone.utc)
+            return {"latest": sample.labels["checkpoint"], "savedAt": saved.strftime("%Y-%m-%dT%H:%M:%SZ")}
     return None
 
 
@@ -46,11 +38,5 @@ def metrics_url(pod: dict[str, Any]) -> str | None:
 
 def read_checkpoint(pod: dict[str, Any], timeout: float = 0.5) -> dict[str, str] | None:
     url = metrics_url(pod)
-    if url is None:
-        return None
-    try:
-        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return checkpoint_from_metrics(r.read().decode(errors="replace"))
-    except (OSError, ValueError):
-        return None
+    text = fetch(url, timeout) if url is not None else None
+    return checkpoint_from_metrics(text) if text is not None else None

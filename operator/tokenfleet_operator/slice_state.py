@@ -205,6 +205,9 @@ def plan_slice(
     """``reported_checkpoint``: {latest, savedAt} as the leader member reports it, if it was read."""
     admission = admission or Admission()
     batch = spec.role == "batch"
+
+    def counts_ready(p: PodView) -> bool:
+        return p.ready or (batch and p.phase == "Succeeded")     # a finished batch member has done its part
     gang = admission.scheduler_name is not None
     node_domains = node_domains or {}
     meta = obj["metadata"]
@@ -242,7 +245,7 @@ def plan_slice(
         members = {
             "desired": spec.hosts,
             "scheduled": sum(1 for p in current if p.node),
-            "ready": sum(1 for p in current if p.ready or (batch and p.phase == "Succeeded")),
+            "ready": sum(1 for p in current if counts_ready(p)),
         }
         if batch:
             members["succeeded"] = sum(1 for p in current if p.phase == "Succeeded")
@@ -433,7 +436,7 @@ def plan_slice(
     if plan.create and restarts and restore_from:
         checkpoint = dict(checkpoint or {}) | {"restoredAt": now_s}
 
-    ready = sum(1 for p in current if p.ready or (batch and p.phase == "Succeeded"))   # a finished batch member is done
+    ready = sum(1 for p in current if counts_ready(p))
     scheduled = sum(1 for p in current if p.node)
     unschedulable = [p for p in current if p.unschedulable]
     failed_cond = cond.Desired("Failed", "False", "WithinRestartBudget", restart_text or "no restarts")
@@ -472,7 +475,7 @@ def plan_slice(
     if ready == spec.hosts:
         return finish("Ready", [admitted, placed, cond.Desired("Ready", "True", "AllMembersReady", f"{ready}/{spec.hosts} members ready"), failed_cond])
     if phase in ("Ready", "Degraded") and not plan.create:
-        not_ready = ", ".join(p.name for p in current if not (p.ready or (batch and p.phase == "Succeeded")))
+        not_ready = ", ".join(p.name for p in current if not counts_ready(p))
         return finish("Degraded", [
             admitted, placed,
             cond.Desired("Ready", "False", "MembersNotReady", f"{ready}/{spec.hosts} members ready; not ready: {not_ready}"),

@@ -8,23 +8,18 @@ thin part and treats an unreachable replica as "no measurement".
 from __future__ import annotations
 
 import math
-import urllib.request
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from tokenfleet_operator.pod_metrics import fetch, samples
 
 OUTPUT_RATE_METRIC = "tokenfleet:output_tokens_per_second"
 
 
 def output_rate_from_metrics(text: str) -> float | None:
     """The replica's output tokens/s from its /metrics text, or None if it does not export one."""
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == OUTPUT_RATE_METRIC and math.isfinite(sample.value) and sample.value >= 0:
-                    return float(sample.value)
-    except ValueError:
-        return None
+    for sample in samples(text, OUTPUT_RATE_METRIC):
+        if math.isfinite(sample.value) and sample.value >= 0:
+            return float(sample.value)
     return None
 
 
@@ -34,11 +29,8 @@ def scrape_output_tokens_per_second(endpoints: list[dict[str, Any]], timeout: fl
     for e in endpoints:
         if not e.get("ready"):
             continue
-        try:
-            with urllib.request.urlopen(f"http://{e['ip']}:{e['port']}/metrics", timeout=timeout) as r:
-                rate = output_rate_from_metrics(r.read().decode(errors="replace"))
-        except (OSError, ValueError):
-            continue
+        text = fetch(f"http://{e['ip']}:{e['port']}/metrics", timeout)
+        rate = output_rate_from_metrics(text) if text is not None else None
         if rate is not None:
             total += rate
             measured = True

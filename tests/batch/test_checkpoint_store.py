@@ -162,7 +162,8 @@ def test_the_members_metrics_report_the_latest_commit_to_the_operator(tmp_path):
 
     from prometheus_client import Histogram
 
-    from tokenfleet_operator.checkpoint_report import USER_AGENT, checkpoint_from_metrics
+    from tokenfleet_operator.checkpoint_report import checkpoint_from_metrics
+    from tokenfleet_operator.pod_metrics import USER_AGENT
     from tokenfleet_serving.batch.job import Progress
     from tokenfleet_serving.batch.main import OPERATOR_AGENT, serve_metrics
     assert OPERATOR_AGENT == USER_AGENT
@@ -185,7 +186,7 @@ def test_the_members_metrics_report_the_latest_commit_to_the_operator(tmp_path):
     assert checkpoint_from_metrics(text)["latest"] == head.id
     assert "tokenfleet_batch_committed_round 2.0" in text and "tokenfleet_batch_output_tokens_total 7.0" in text
     get("/metrics", agent=USER_AGENT)
-    assert scraped.is_set()
+    assert scraped.wait(5)          # the server thread sets it after the body is written: wait for it
     with pytest.raises(urllib.error.HTTPError):
         get("/other")
 

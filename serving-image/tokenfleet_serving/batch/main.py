@@ -23,7 +23,7 @@ from typing import Any
 from tokenfleet_serving.engine.sampling_params import SamplingParams
 
 from .checkpoint_store import CheckpointStore, StoreError
-from .job import JobError, Member, Progress, read_items, run_member
+from .job import JobError, Member, Progress, num_rounds, read_items, run_member
 
 log = logging.getLogger("tokenfleet.batch")
 
@@ -227,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 
-    from .job import num_rounds
     progress, scraped = Progress(), threading.Event()
     commit_seconds = Histogram("tokenfleet_batch_checkpoint_commit_seconds", "Leader: from staging its round to "
                                "the commit (waiting for the other members included)", registry=None,
