@@ -81,7 +81,6 @@ class Progress:
     computed_items: int = 0
     committed_round: int = 0
     latest: Commit | None = None
-    commits: int = 0
     output_tokens: int = 0
 
 
@@ -121,30 +120,32 @@ def run_member(store: CheckpointStore, items: list[dict[str, Any]], digest: str,
             _wait(lambda: store.staged(run, round_, member.hosts), wait_s, poll_s,
                   f"round {round_}: not every member staged it")
             head = store.commit_round(run, round_, member.hosts, head, job, finished=round_ == total)
-            progress.latest, progress.committed_round, progress.commits = head, round_, progress.commits + 1
+            progress.latest, progress.committed_round = head, round_
             if on_commit is not None:
                 on_commit(time.monotonic() - started)
             log.info("committed %s (round %d of %d)", head.id, round_, total)
-    if member.leader or (head is not None and head.finished):
+    if member.leader:
         if head is None or not head.finished:
             raise StoreError("the leader ended without the final commit")
-        if member.leader:
-            store.write_result(head, member.hosts)
-            store.clear_staging(keep="")
+        store.write_result(head, member.hosts)
+        store.clear_staging(keep="")
         return head
+    if base is not None and base.finished:          # the job was done before this attempt
+        return base
 
     def final() -> Commit | None:
         c = store.latest()
         return c if c is not None and c.finished and c.run == run else None
-    _wait(lambda: final() is not None, wait_s, poll_s, "the leader did not commit the last round")
-    head = final()
+    head = _wait(final, wait_s, poll_s, "the leader did not commit the last round")
     progress.latest, progress.committed_round = head, head.round
     return head
 
 
-def _wait(done: Callable[[], bool], timeout_s: float, poll_s: float, what: str) -> None:
+def _wait(done: Callable[[], Any], timeout_s: float, poll_s: float, what: str) -> Any:
+    """Poll ``done`` until it returns something true, and return that."""
     deadline = time.monotonic() + timeout_s
-    while not done():
+    while not (value := done()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout_s:.0f} s")
         time.sleep(poll_s)
+    return value
