@@ -3,7 +3,9 @@
 ``LocalCluster(dir).up()`` starts etcd, kube-apiserver (RBAC, ServiceAccount
 tokens, PodSecurity admission), kube-controller-manager, kube-scheduler, KWOK
 and tokenfleet's local pod runner on free loopback ports, waits until each is
-healthy, and writes ``<dir>/admin.kubeconfig``. Every process is recorded in
+healthy, and writes ``<dir>/admin.kubeconfig``. With ``real_node=True`` it
+also starts a real node (kubelet, containerd, CNI) in a network namespace of
+its own (``realnode.py``). Every process is recorded in
 ``<dir>/state.json`` by pid so that ``down()`` — from this process or another
 one — stops exactly what was started and nothing else.
 """
@@ -25,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from . import binaries, kwok_stages
+from . import binaries, kwok_stages, realnode
 from .nodes import NOT_READY_LABEL, NodePool, node_manifests
-from .pki import Pki, create_pki
+from .pki import SERVICE_CIDR, Pki, create_pki, node_client_certificate
 
 # Pods' not-ready/unreachable tolerations (normally 300 s) and the node
 # monitor grace period are shortened so node-failure tests take seconds.
@@ -35,7 +37,24 @@ TOLERATION_SECONDS = 5
 NODE_MONITOR_GRACE = "10s"
 KWOK_POD_CIDR = "127.1.0.0/16"
 RUNNER_POD_CIDR = "127.2.0.0/16"
+
+
+def runner_pod_cidr() -> str:
+    """A /24 of RUNNER_POD_CIDR chosen at random for one plane: planes that run on one host at once (several
+    test sessions) then do not hand out the same pod addresses, whose ports their pods would fight over."""
+    import random
+    return f"127.2.{random.randint(1, 254)}.0/24"
 SERVING_IMAGE_PREFIX = "tokenfleet/serving"
+# Controllers the plane does not run.
+DISABLED_CONTROLLERS = (
+    "bootstrapsigner", "tokencleaner", "cloud-node-lifecycle", "service-lb-controller", "node-route-controller",
+    "persistentvolume-binder", "persistentvolume-expander", "persistentvolume-attach-detach-controller",
+)
+# Without a real node, neither: they would write every pod's IP into Endpoints and EndpointSlices, which the
+# API server rejects for loopback addresses (127.0.0.0/8), so each Service change would leave a
+# FailedToUpdateEndpoint(Slices) Warning and nothing else (no kube-proxy uses them; clients reach pods by their
+# IPs). A real node's pods have addresses of their own network (10.244.0.0/24), whose Services get endpoints.
+ENDPOINTS_CONTROLLERS = ("endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller")
 
 
 class PlaneError(RuntimeError):
@@ -76,6 +95,10 @@ class LocalCluster:
     pools: list[NodePool] = field(default_factory=list)
     tie_to_parent: bool = False   # for test fixtures: children die with the test process
     log: callable = print
+    # Users whose requests the API server writes to <dir>/logs/audit.log (JSON lines, level
+    # Metadata, one line per finished request); None: no audit log.
+    audit_users: list[str] | None = None
+    real_node: bool = False       # also run a real kubelet node (realnode.py) beside the KWOK nodes
 
     def __post_init__(self):
         self.dir = Path(self.dir).resolve()
@@ -153,11 +176,14 @@ class LocalCluster:
         return ctx
 
     # --------------------------------------------------------------------- up
-    def up(self) -> "LocalCluster":
+    def up(self) -> LocalCluster:
         if any(pid_alive(p["pid"]) for p in self.state()["processes"].values()):
             raise PlaneError(f"a control plane is already running in {self.dir}; run 'tokenfleet cluster down --dir {self.dir}' first")
         t0 = time.monotonic()
         self.dir.mkdir(parents=True, exist_ok=True)
+        stale = self.state().get("real_node")
+        if stale:       # a node of an earlier run that was killed rather than stopped
+            self._clean_real_node(realnode.NodeLayout(self.dir, stale["name"]))
         # A fresh plane every time: no objects or pod folders from an earlier run.
         for stale in (self.dir / "etcd", self.dir / "logs"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -174,6 +200,23 @@ class LocalCluster:
             raise
         self.log(f"control plane ready in {time.monotonic() - t0:.1f}s: {self.kubeconfig}")
         return self
+
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "logs" / "audit.log"
+
+    def _audit_args(self) -> list[str]:
+        if self.audit_users is None:
+            return []
+        policy = {
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+            "omitStages": ["RequestReceived", "ResponseStarted"],
+            "rules": [{"level": "Metadata", "users": list(self.audit_users)}, {"level": "None"}],
+        }
+        path = self.dir / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(policy, sort_keys=False))
+        return [f"--audit-policy-file={path}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+                "--audit-log-mode=blocking", "--audit-log-maxsize=0"]
 
     def _up(self, state: dict, b, pki: Pki, ports: dict) -> None:
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
@@ -197,14 +240,16 @@ class LocalCluster:
             f"--client-ca-file={pki.ca_crt}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction",
+            # PodNodeSelector: a namespace's scheduler.alpha.kubernetes.io/node-selector annotation pins its
+            # pods to nodes (how the demo keeps a namespace on the real node).
+            "--enable-admission-plugins=NodeRestriction,PodNodeSelector",
             "--allow-privileged=true",
             f"--default-not-ready-toleration-seconds={TOLERATION_SECONDS}",
             f"--default-unreachable-toleration-seconds={TOLERATION_SECONDS}",
             f"--cert-dir={self.dir / 'pki'}",
-            "--profiling=false", "--v=1"])
+            "--profiling=false", "--v=1", *self._audit_args()])
         ctx = self._admin_ctx(pki)
         self._wait("kube-apiserver", proc, lambda: self._get(f"{api}/readyz", ctx)[1] == "ok", 180)
         self.log(f"kube-apiserver up on {api}")
@@ -221,7 +266,8 @@ class LocalCluster:
             "--use-service-account-credentials=false",
             "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
             "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-gc-syncs=5",
-            "--controllers=*,-bootstrapsigner,-tokencleaner,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller,-persistentvolume-binder,-persistentvolume-expander,-persistentvolume-attach-detach-controller",
+            "--controllers=" + ",".join(["*", *(f"-{c}" for c in DISABLED_CONTROLLERS
+                                                + (() if self.real_node else ENDPOINTS_CONTROLLERS))]),
             "--v=1"])
         sched = self._start(state, "kube-scheduler", [
             b("kube-scheduler"), *common, f"--secure-port={ports['scheduler']}",
@@ -235,8 +281,8 @@ class LocalCluster:
             f"--server-address=127.0.0.1:{ports['kwok']}"])
         (self.dir / "logs" / "pod-runner.ready").unlink(missing_ok=True)
         runner = self._start(state, "pod-runner", [
-            sys.executable, "-m", "tokenfleet_localcluster.podrunner", f"--kubeconfig={kc}",
-            f"--image-prefix={SERVING_IMAGE_PREFIX}", f"--cidr={RUNNER_POD_CIDR}",
+            sys.executable, "-m", "tokenfleet_dev.localcluster.podrunner", f"--kubeconfig={kc}",
+            f"--image-prefix={SERVING_IMAGE_PREFIX}", f"--cidr={runner_pod_cidr()}",
             f"--log-dir={self.dir / 'logs' / 'pods'}"])
         self._wait("kube-controller-manager", kcm,
                    lambda: self._get(f"https://127.0.0.1:{ports['kcm']}/healthz", insecure)[1] == "ok", 120)
@@ -247,6 +293,96 @@ class LocalCluster:
         self.log("controller-manager, scheduler, kwok and pod runner up")
         if self.pools:
             self.add_nodes(self.pools)
+        if self.real_node:
+            self._start_real_node(state, pki, ports)
+
+    # -------------------------------------------------------------- real node
+    def _start_real_node(self, state: dict, pki: Pki, ports: dict) -> None:
+        t0 = time.monotonic()
+        layout = realnode.NodeLayout(self.dir)
+        kubelet = binaries.ensure_node_built() / "kubelet"
+        missing = realnode.missing_prerequisites(kubelet)
+        if missing:
+            raise PlaneError("a real node needs: " + "; ".join(missing))
+        state["real_node"] = {"name": layout.name, "netns": layout.netns, "dir": str(layout.dir),
+                              "run_dir": str(layout.run_dir), "cgroup_root": layout.cgroup_root}
+        self._save(state)
+        realnode.create_network(layout)
+        realnode.create_cgroup_root(layout)
+        ready = self.dir / "logs" / "node-apiserver-forward.ready"
+        ready.unlink(missing_ok=True)
+        fwd = self._start(state, "node-apiserver-forward", [
+            sys.executable, "-m", "tokenfleet_dev.localcluster.netns_forward", f"--ready-file={ready}",
+            f"{layout.netns_path}@{realnode.SERVICE_IP}:443=127.0.0.1:{ports['apiserver']}"])
+        self._wait("node-apiserver-forward", fwd, ready.exists, 30)
+        crt, key = layout.dir / "kubelet-client.crt", layout.dir / "kubelet-client.key"
+        layout.dir.mkdir(parents=True, exist_ok=True)
+        node_client_certificate(pki, layout.name, crt, key)
+        files = realnode.write_files(layout, pki, crt, key)
+        in_ns = ["nsenter", f"--net={layout.netns_path}", "--"]
+        ctrd = self._start(state, "containerd", [*in_ns, "containerd", f"--config={files['containerd']}"])
+        self._wait("containerd", ctrd, lambda: realnode.ctr(layout, "version", timeout=5).returncode == 0, 60)
+        realnode.import_pause_image(layout)
+        labels = {realnode.NODE_LABEL: realnode.NODE_KIND}
+        kl = self._start(state, "kubelet", [*in_ns, *realnode.kubelet_command(kubelet, layout, files, labels)])
+        self._wait("kubelet", kl, lambda: layout.name in self.ready_nodes(), 120)
+        took = time.monotonic() - t0
+        state = self.state()
+        state["real_node"]["startup_seconds"] = round(took, 2)
+        self._save(state)
+        self.log(f"real node {layout.name} Ready in {took:.1f}s (kubelet + containerd in netns {layout.netns}, "
+                 f"pods on {realnode.POD_CIDR})")
+
+    def node_layout(self) -> realnode.NodeLayout:
+        info = self.state().get("real_node")
+        if not info:
+            raise PlaneError(f"the plane in {self.dir} has no real node (cluster up --real-node)")
+        return realnode.NodeLayout(self.dir, info["name"])
+
+    def expose(self, name: str, ip: str, port: int) -> int:
+        """Forward a free loopback port of the host to ``ip:port`` in the real node's network (a pod's
+        address); returns the port. The forwarder belongs to the plane: ``down`` stops it."""
+        layout = self.node_layout()
+        local = free_port()
+        ready = self.dir / "logs" / f"forward-{name}.ready"
+        ready.unlink(missing_ok=True)
+        self.start_process(f"forward-{name}", [
+            sys.executable, "-m", "tokenfleet_dev.localcluster.netns_forward", f"--ready-file={ready}",
+            f"127.0.0.1:{local}={layout.netns_path}@{ip}:{port}"])
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if time.monotonic() > deadline:
+                raise PlaneError(f"forward-{name} did not start:\n{self._tail(f'forward-{name}')}")
+            time.sleep(0.1)
+        return local
+
+    def _drain_real_node(self, name: str, timeout: float = 60) -> None:
+        """Cordon the node and delete its pods, so the kubelet stops their containers, tears down their
+        networks and unmounts their volumes before it stops."""
+        if self.kubectl("get", "node", name, check=False, timeout=10).returncode != 0:
+            return
+        self.kubectl("cordon", name, check=False, timeout=20)
+        selector = f"spec.nodeName={name}"
+        self.kubectl("delete", "pods", "-A", "--field-selector", selector, "--grace-period=10", "--wait=false",
+                     check=False, timeout=30)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = self.kubectl("get", "pods", "-A", "--field-selector", selector, "-o", "name", check=False, timeout=10)
+            if out.returncode != 0 or not out.stdout.strip():
+                return
+            time.sleep(0.5)
+        self.log(f"pods still on {name} after {timeout:.0f}s; stopping the node anyway")
+
+    @staticmethod
+    def _clean_real_node(layout: realnode.NodeLayout) -> None:
+        """What a stopped node may leave on the host: shims and their containers, mounts, the network
+        namespace, the cgroup root, the runtime folder."""
+        for pid in realnode.leftover_shims(layout):
+            realnode.kill_tree(pid)
+        realnode.unmount_under([layout.dir, layout.run_dir])
+        realnode.delete_network(layout)
+        realnode.delete_cgroup_root(layout)
+        shutil.rmtree(layout.run_dir, ignore_errors=True)
 
     @staticmethod
     def _write_kubeconfig(path: Path, server: str, pki: Pki, user: dict) -> None:
@@ -322,7 +458,8 @@ class LocalCluster:
 
     def ready_nodes(self) -> set[str]:
         out = self.kubectl("get", "nodes", "-o",
-                           "jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}").stdout
+                           "jsonpath={range .items[*]}{.metadata.name}="
+                           "{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}").stdout
         return {line.split("=")[0] for line in out.split() if line.endswith("=True")}
 
     # ---------------------------------------------------------------- kubectl
@@ -343,30 +480,49 @@ class LocalCluster:
 
     # ------------------------------------------------------------------- down
     def down(self, grace: float = 10) -> list[str]:
-        """Stop every process recorded in state.json (pods of the runner first)."""
-        procs = self.state()["processes"]
-        order = ["pod-runner", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+        """Stop every process recorded in state.json (pods of the runner first; a real node is drained
+        first, then stopped, then cleaned)."""
+        state = self.state()
+        procs = state["processes"]
+        node = state.get("real_node")
+        if node and pid_alive(procs.get("kube-apiserver", {}).get("pid", 0)) and pid_alive(procs.get("kubelet", {}).get("pid", 0)):
+            # The plane's own extra processes (an operator, forwarders) first, so nothing recreates pods.
+            for extra in [p for n, p in procs.items() if n not in _ORDER]:
+                _stop(extra["pid"], grace)
+            self._drain_real_node(node["name"])
+        order = _ORDER
         names = sorted(procs, key=lambda n: order.index(n) if n in order else -1)
         stopped = []
         for name in names:
-            pid = procs[name]["pid"]
-            if not pid_alive(pid):
-                continue
-            _signal_group(pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while pid_alive(pid) and time.monotonic() < deadline:
-                _reap(pid)
-                time.sleep(0.1)
-            if pid_alive(pid):
-                _signal_group(pid, signal.SIGKILL)
-                while pid_alive(pid):
-                    _reap(pid)
-                    time.sleep(0.05)
-            # Anything else left in the process group (e.g. a pod's children).
-            _signal_group(pid, signal.SIGKILL)
-            stopped.append(name)
+            if _stop(procs[name]["pid"], grace):
+                stopped.append(name)
+        if node:
+            self._clean_real_node(realnode.NodeLayout(self.dir, node["name"]))
         self._save({**self.state(), "processes": {}, "stopped": {n: procs[n]["pid"] for n in procs}})
         return stopped
+
+
+_ORDER = ["pod-runner", "kwok", "kubelet", "containerd", "kube-scheduler", "kube-controller-manager",
+          "node-apiserver-forward", "kube-apiserver", "etcd"]
+
+
+def _stop(pid: int, grace: float) -> bool:
+    """SIGTERM the process group, SIGKILL after ``grace``; False when it was not running."""
+    if not pid_alive(pid):
+        return False
+    _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pid_alive(pid) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.1)
+    if pid_alive(pid):
+        _signal_group(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            _reap(pid)
+            time.sleep(0.05)
+    # Anything else left in the process group (e.g. a pod's children).
+    _signal_group(pid, signal.SIGKILL)
+    return True
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -19,6 +20,9 @@ _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 # find its interpreter and packages; everything else comes from the pod.
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR",
                  "OMP_NUM_THREADS", "TOKENFLEET_BIN_DIR", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+
+
+TERMINATION_ENV = "TOKENFLEET_TERMINATION_LOG"   # contract.termination.ENV
 
 
 class LaunchError(ValueError):
@@ -56,6 +60,9 @@ class ContainerLaunch:
     cwd: str | None = None
     readiness: Probe | None = None
     volumes: tuple[FileVolume, ...] = ()
+    termination_log: str = ""                    # local file standing in for terminationMessagePath
+    termination_policy: str = "File"             # File | FallbackToLogsOnError
+    empty_dirs: tuple[str, ...] = ()             # local folders standing in for emptyDir volumes (made before start)
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -111,10 +118,11 @@ def _probe(container: dict, pod_ip: str) -> Probe | None:
     raise LaunchError(f"container {container['name']!r}: only httpGet and tcpSocket readiness probes are supported")
 
 
-def _path_map(pod: dict, container: dict, scratch: str) -> tuple[list[tuple[str, str]], list[FileVolume]]:
-    """(mountPath, local path) pairs, longest mountPath first, and the file volumes to write."""
+def _path_map(pod: dict, container: dict, scratch: str) -> tuple[list[tuple[str, str]], list[FileVolume], list[str]]:
+    """(mountPath, local path) pairs, longest mountPath first, the file volumes to write, and the emptyDir
+    folders to make (a container with a read-only root filesystem writes only there)."""
     volumes = {v["name"]: v for v in pod.get("spec", {}).get("volumes", [])}
-    pairs, files = [], []
+    pairs, files, empty = [], [], []
     for m in container.get("volumeMounts", []):
         v = volumes.get(m["name"])
         if v is None:
@@ -123,6 +131,7 @@ def _path_map(pod: dict, container: dict, scratch: str) -> tuple[list[tuple[str,
             local = v["hostPath"]["path"]
         elif "emptyDir" in v:
             local = f"{scratch}/volumes/{m['name']}"
+            empty.append(local)
         elif "configMap" in v or "secret" in v:
             local = f"{scratch}/volumes/{m['name']}"
             kind = "configmap" if "configMap" in v else "secret"
@@ -143,7 +152,7 @@ def _path_map(pod: dict, container: dict, scratch: str) -> tuple[list[tuple[str,
         if m.get("subPath"):
             local = f"{local.rstrip('/')}/{m['subPath']}"
         pairs.append((m["mountPath"].rstrip("/") or "/", local))
-    return sorted(pairs, key=lambda p: -len(p[0])), files
+    return sorted(pairs, key=lambda p: -len(p[0])), files, empty
 
 
 def _map_paths(value: str, pairs: list[tuple[str, str]]) -> str:
@@ -185,7 +194,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
     for c in pod.get("spec", {}).get("containers", []):
         if not c.get("image", "").startswith(image_prefix):
             continue
-        pairs, files = _path_map(pod, c, scratch)
+        pairs, files, empty_dirs = _path_map(pod, c, scratch)
         env = {k: base_env[k] for k in INHERITED_ENV if k in base_env}
         env.update({"HOSTNAME": pod["metadata"]["name"], "POD_IP": pod_ip})
         for e in c.get("env", []):
@@ -215,5 +224,10 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]
         cwd = _map_paths(c["workingDir"], pairs) if c.get("workingDir") else scratch
-        out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files)))
+        # The kubelet mounts a file at terminationMessagePath and copies what the container wrote there into
+        # its terminated state; locally the file is in the scratch folder, named by TOKENFLEET_TERMINATION_LOG.
+        termination_log = str(Path(scratch) / f"{c['name']}.termination-log")
+        env[TERMINATION_ENV] = termination_log
+        out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files),
+                                   termination_log, c.get("terminationMessagePolicy", "File"), tuple(empty_dirs)))
     return out

@@ -18,6 +18,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# ClusterIP range: a /16 so thousands of Services fit. Its first address is the `kubernetes` Service,
+# which the API server certificate must name (pods on the real node reach the API server there).
+SERVICE_CIDR = "10.96.0.0/16"
+KUBERNETES_SERVICE_IP = str(next(ipaddress.ip_network(SERVICE_CIDR).hosts()))
+
 VALIDITY = dt.timedelta(days=365)
 
 
@@ -61,7 +66,7 @@ def _name(cn: str, orgs: tuple[str, ...] = ()) -> x509.Name:
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
             .public_key(public_key).serial_number(x509.random_serial_number())
             .not_valid_before(now).not_valid_after(now + VALIDITY))
@@ -102,7 +107,7 @@ def create_pki(directory: Path) -> Pki:
 
     sans = [x509.DNSName("localhost"), x509.DNSName("kubernetes"), x509.DNSName("kubernetes.default"),
             x509.DNSName("kubernetes.default.svc"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("10.0.0.1"))]
+            x509.IPAddress(ipaddress.ip_address(KUBERNETES_SERVICE_IP))]
     key, cert = _leaf(pki, ca_key, ca_name, "kube-apiserver", (), ExtendedKeyUsageOID.SERVER_AUTH, sans)
     _write_key(pki.apiserver_key, key)
     _write_cert(pki.apiserver_crt, cert)
@@ -118,3 +123,13 @@ def create_pki(directory: Path) -> Pki:
     pki.sa_pub.write_bytes(sa.public_key().public_bytes(serialization.Encoding.PEM,
                                                          serialization.PublicFormat.SubjectPublicKeyInfo))
     return pki
+
+
+def node_client_certificate(pki: Pki, node: str, crt: Path, key_path: Path) -> None:
+    """A kubelet's client certificate (CN system:node:NAME, O system:nodes), as the Node authorizer and
+    NodeRestriction admission expect, signed by the plane's CA."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), None)
+    ca_name = x509.load_pem_x509_certificate(pki.ca_crt.read_bytes()).subject
+    key, cert = _leaf(pki, ca_key, ca_name, f"system:node:{node}", ("system:nodes",), ExtendedKeyUsageOID.CLIENT_AUTH)
+    _write_key(key_path, key)
+    _write_cert(crt, cert)

@@ -3,12 +3,13 @@
 For every pod that is bound to a node and whose image is tokenfleet's serving
 image, it runs the container's command as a local process bound to a
 loopback pod IP (``launch.py`` decides what to run), reports Running, and
-reports Ready only once the readiness probe passes. When the pod is deleted
+reports Ready only once the readiness probe passes. Only pods on KWOK's fake
+nodes are its own: a real node's kubelet runs the pods bound to it. When the pod is deleted
 it sends SIGTERM, waits up to the grace period, then SIGKILL, and finally
 removes the pod object (the kubelet's last step). Pods of any other image are
 left to KWOK.
 
-Run as ``python -m tokenfleet_localcluster.podrunner --kubeconfig K``.
+Run as ``python -m tokenfleet_dev.localcluster.podrunner --kubeconfig K``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import ipaddress
 import logging
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -33,23 +35,46 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from .launch import ContainerLaunch, FileVolume, LaunchError, Probe, container_launches
+from .nodes import KWOK_ANNOTATION
 
 log = logging.getLogger("pod-runner")
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _bindable(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True
 
 
 class IpPool:
-    def __init__(self, cidr: str):
-        self._hosts = ipaddress.ip_network(cidr).hosts()
+    """Pod addresses from a CIDR, handed out in order from a random place in it: several planes on one machine
+    (parallel test sessions) share 127.2.0.0/16, and two that both started at .1 would bind the same address."""
+
+    def __init__(self, cidr: str, rng: random.Random | None = None):
+        hosts = list(ipaddress.ip_network(cidr).hosts())
+        start = (rng or random.Random()).randrange(len(hosts))
+        self._hosts = iter(hosts[start:] + hosts[:start])
         self._free: list[str] = []
         self._lock = threading.Lock()
 
-    def take(self) -> str:
+    def take(self, ports: tuple[int, ...] = ()) -> str:
+        """A free address; with ``ports``, one where none of them is in use already (by a process of
+        another plane on this host, or one that outlived its pod)."""
         with self._lock:
-            return self._free.pop(0) if self._free else str(next(self._hosts))
+            skipped = []
+            while True:
+                ip = self._free.pop(0) if self._free else str(next(self._hosts))
+                if all(_bindable(ip, port) for port in ports):
+                    self._free[:0] = skipped
+                    return ip
+                skipped.append(ip)
 
     def give(self, ip: str) -> None:
         with self._lock:
@@ -67,6 +92,23 @@ class Running:
     next_probe: float = 0.0
     exit_code: int | None = None
     next_restart: float = 0.0
+    log: Path | None = None
+
+
+def termination_message(r: Running) -> str:
+    """What the kubelet would put in the terminated state: the termination log file (4 KiB at most), or with
+    FallbackToLogsOnError and a failed container that wrote none, the end of its log (2 KiB, 80 lines)."""
+    try:
+        text = Path(r.launch.termination_log).read_bytes()[:4096].decode(errors="replace") if r.launch.termination_log else ""
+    except OSError:
+        text = ""
+    if not text.strip() and r.exit_code and r.launch.termination_policy == "FallbackToLogsOnError" and r.log:
+        try:
+            tail = r.log.read_bytes()[-2048:].decode(errors="replace")
+        except OSError:
+            tail = ""
+        text = "\n".join(tail.splitlines()[-80:])
+    return text
 
 
 @dataclass
@@ -94,13 +136,29 @@ class PodRunner:
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self._next_volume_refresh = 0.0
+        self._fake_node: dict[str, bool] = {}
         # What the kubelet gives every container to find the API server.
         url = urllib.parse.urlsplit(api.api_client.configuration.host)
         self.service_env = {"KUBERNETES_SERVICE_HOST": url.hostname, "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
 
     # ---------------------------------------------------------------- intake
     def ours(self, pod) -> bool:
-        return any(c.image.startswith(self.image_prefix) for c in pod.spec.containers)
+        if pod.metadata.uid in self.pods:
+            return True
+        return any(c.image.startswith(self.image_prefix) for c in pod.spec.containers) and self.on_fake_node(pod)
+
+    def on_fake_node(self, pod) -> bool:
+        """Whether the pod is bound to a KWOK node (annotated kwok.x-k8s.io/node=fake) rather than a real one."""
+        name = pod.spec.node_name
+        if name not in self._fake_node:
+            try:
+                node = self.api.read_node(name)
+            except ApiException as e:
+                if e.status == 404:
+                    return False     # no such node (any more): nothing to start
+                raise
+            self._fake_node[name] = (node.metadata.annotations or {}).get(KWOK_ANNOTATION) == "fake"
+        return self._fake_node[name]
 
     def watch_pods(self) -> None:
         while not self.stopping.is_set():
@@ -149,7 +207,7 @@ class PodRunner:
                 return None
             raise
 
-    def _token(self, local: "LocalPod", src: dict) -> str:
+    def _token(self, local: LocalPod, src: dict) -> str:
         """A ServiceAccount token bound to the pod (TokenRequest), renewed at 80% of its lifetime."""
         key = (src.get("audience"), src.get("expirationSeconds", 3600))
         cached = local.tokens.get(key)
@@ -166,11 +224,11 @@ class PodRunner:
         local.tokens[key] = (tr.status.token, time.monotonic() + 0.8 * lifetime)
         return tr.status.token
 
-    def _field(self, local: "LocalPod", path: str) -> str:
+    def _field(self, local: LocalPod, path: str) -> str:
         return {"metadata.namespace": local.namespace, "metadata.name": local.name,
                 "metadata.uid": local.uid}.get(path, "")
 
-    def _volume_files(self, local: "LocalPod", v: FileVolume) -> dict[str, str] | None:
+    def _volume_files(self, local: LocalPod, v: FileVolume) -> dict[str, str] | None:
         """The files of one volume (relative path -> content), or None if a required source is missing."""
         if v.kind in ("configmap", "secret"):
             data = self._source_data(v.kind, local.namespace, v.source)
@@ -197,7 +255,7 @@ class PodRunner:
                 files.update({rel: data[key] for key, rel in items if key in data})
         return files
 
-    def write_volumes(self, local: "LocalPod", launch: ContainerLaunch) -> bool:
+    def write_volumes(self, local: LocalPod, launch: ContainerLaunch) -> bool:
         """Write configMap/secret/projected volumes as files; True when every required source exists."""
         ok = True
         for v in launch.volumes:
@@ -219,7 +277,8 @@ class PodRunner:
 
     def start(self, pod) -> None:
         raw = self.api.api_client.sanitize_for_serialization(pod)
-        ip = self.ips.take()
+        ports = tuple(int(p.container_port) for c in pod.spec.containers for p in (c.ports or []) if p.container_port)
+        ip = self.ips.take(ports)
         host_ip = "127.0.0.1"
         node = pod.spec.node_name
         try:
@@ -254,7 +313,12 @@ class PodRunner:
         self.report(local, force=True)
 
     def _spawn(self, local: LocalPod, running: Running, scratch: Path) -> None:
-        out = open(scratch / f"{running.launch.name}.log", "ab")
+        if running.launch.termination_log:
+            Path(running.launch.termination_log).unlink(missing_ok=True)   # a restart starts a new message
+        running.log = scratch / f"{running.launch.name}.log"
+        for folder in running.launch.empty_dirs:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        out = open(running.log, "ab")
         Path(running.launch.cwd or scratch).mkdir(parents=True, exist_ok=True)
         running.proc = subprocess.Popen(list(running.launch.argv), env=running.launch.env,
                                         cwd=running.launch.cwd or scratch, stdout=out, stderr=subprocess.STDOUT,
@@ -324,6 +388,9 @@ class PodRunner:
         else:
             state = {"terminated": {"exitCode": r.exit_code, "startedAt": r.started, "finishedAt": now(),
                                     "reason": "Completed" if r.exit_code == 0 else "Error"}}
+            message = termination_message(r)
+            if message:
+                state["terminated"]["message"] = message
         return {"name": r.launch.name, "image": r.launch.image, "imageID": "", "ready": r.ready,
                 "started": r.exit_code is None, "restartCount": r.restarts, "state": state}
 

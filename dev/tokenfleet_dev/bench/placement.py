@@ -28,9 +28,7 @@ import sys
 import time
 from collections import Counter
 
-from tokenfleet_operator.placement import (
-    BoundPod, Node, Placement, Queue, SliceRequest, Taint, Toleration, place,
-)
+from tokenfleet_operator.gang.placement import BoundPod, Node, Placement, Queue, SliceRequest, Taint, Toleration, place
 
 RESOURCE = "nvidia.com/gpu"
 BLOCK_LABEL = "tokenfleet.dev/block"
@@ -143,7 +141,7 @@ def hardware() -> dict:
     except OSError:
         pass
     return {"cpu": model, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "threads_used": 1}
+            "platform": platform.platform(), "threads_used": 1, "loadavg_1m": os.getloadavg()[0]}
 
 
 def run(node_count: int, slice_count: int, block_size: int, per_node: int, seed: int, repeat: int) -> dict:
@@ -217,10 +215,10 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
 
     import yaml
 
-    from tokenfleet_localcluster.nodes import NodePool
-    from tokenfleet_localcluster.plane import LocalCluster
+    from tokenfleet_dev.localcluster.nodes import NodePool
+    from tokenfleet_dev.localcluster.plane import LocalCluster
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     base = Path(workdir or tempfile.mkdtemp(prefix="tokenfleet-bench-"))
     plane = LocalCluster(base / "plane", pools=[], tie_to_parent=True, log=log)
     namespace, image = "bench", "example.invalid/fake-serving:1"
@@ -246,12 +244,13 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
         time.sleep(5)  # let the operator start watching (not counted)
         manifests = cluster_slices(slice_count, namespace, image)
         requested = sum(m["spec"]["hosts"] * m["spec"]["accelerator"]["countPerHost"] for m in manifests)
-        t0, wall0 = time.monotonic(), time.time()
+        t0, wall0, load_start = time.monotonic(), time.time(), os.getloadavg()[0]
         plane.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(m) for m in manifests))
         applied = time.monotonic() - t0
         all_bound_at = None
         ready = bound = 0
         waits: list[int] = []
+        timeline: list[tuple[float, int, int]] = []      # (seconds since the apply, bound, ready)
         while time.monotonic() - t0 < timeout:
             out = plane.kubectl("get", "slices", "-n", namespace, "-o", "json", check=False)
             if out.returncode == 0:
@@ -259,6 +258,7 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
                 statuses = [i.get("status") or {} for i in items]
                 ready = sum(1 for st in statuses if st.get("phase") == "Ready")
                 bound = sum(1 for st in statuses if (st.get("admission") or {}).get("admittedAt"))
+                timeline.append((round(time.monotonic() - t0, 2), bound, ready))
                 if bound == slice_count and all_bound_at is None:
                     all_bound_at = time.monotonic() - t0
                 if ready == slice_count:
@@ -305,8 +305,10 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
             "overcommitted_nodes": sum(1 for v in per_node.values() if v > 8),
             "plane_start_seconds": round(plane_seconds, 1),
             "add_nodes_seconds": round(nodes_seconds, 1),
+            "timeline": timeline,
             "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                         "python": platform.python_version()},
+                         "python": platform.python_version(), "loadavg_1m_start": load_start,
+                         "loadavg_1m_end": os.getloadavg()[0]},
         }
     finally:
         if proc and proc.poll() is None:
@@ -329,13 +331,49 @@ def report(rows: list[tuple[str, object]], result: dict, json_path: str | None) 
             out.write("\n")
 
 
+def plot(result: dict, path: str) -> None:
+    """In-process: accelerators used against the bound and what was asked, and why Slices stayed unplaced.
+    --cluster: Slices bound and Ready over time after they were all applied at once."""
+    from tokenfleet_serving.bench import plot as pl
+
+    if result.get("mode") == "cluster":
+        fig, (ax,) = pl.figure(1, f"tokenfleet bench placement --cluster: {result['slices']} Slices on "
+                                  f"{result['nodes']} KWOK nodes, real control plane", panel_height=4.0)
+        t = [s[0] for s in result["timeline"]]
+        ax.plot(t, [s[1] for s in result["timeline"]], label="bound (admitted whole)")
+        ax.plot(t, [s[2] for s in result["timeline"]], label="Ready")
+        ax.axhline(result["slices"], color="0.7", linewidth=0.8)
+        ax.set_xlabel("seconds after applying every Slice at once")
+        ax.set_ylabel("Slices")
+        ax.legend(fontsize=8)
+        pl.save(fig, path, result.get("hardware"))
+        return
+    fig, (acc, why) = pl.figure(2, f"tokenfleet bench placement: {result['slices']} Slices on {result['nodes']} nodes, "
+                                   f"one pass in {result['placement_seconds']:.2f} s", columns=2, width=11)
+    bars = [("requested", result["accelerators_requested"]), ("upper bound", result["upper_bound_accelerators"]),
+            ("placed", result["accelerators_used"])]
+    shown = acc.bar([n for n, _ in bars], [v for _, v in bars], color=["0.75", "0.55", "C0"])
+    acc.bar_label(shown, fontsize=8)
+    acc.set_ylabel("accelerators")
+    acc.set_title(f"placed {result['accelerators_used'] / max(result['upper_bound_accelerators'], 1):.1%} of the bound",
+                  fontsize=9)
+    codes = result.get("unplaced_by_code") or {}
+    why.barh(list(codes) or ["(none)"], list(codes.values()) or [0], color="C1")
+    why.set_xlabel("Slices left unplaced")
+    why.set_title(f"{result['placed']} placed, {result['unplaced']} unplaced, by reason", fontsize=9)
+    pl.save(fig, path, result.get("hardware"))
+
+
 def main_cluster(args: argparse.Namespace) -> int:
     result = run_cluster(args.nodes, args.slices, args.workdir, args.timeout)
     rows = [(k, result[k]) for k in (
         "nodes", "slices", "accelerators_requested", "accelerators_total", "ready", "seconds_to_all_bound",
-        "seconds_to_all_ready", "seconds_to_each_ready_once", "not_ready_nodes_at_end", "admission_wait_seconds_p50", "admission_wait_seconds_max", "member_pods",
+        "seconds_to_all_ready", "seconds_to_each_ready_once", "not_ready_nodes_at_end", "admission_wait_seconds_p50",
+        "admission_wait_seconds_max", "member_pods",
         "overcommitted_nodes", "plane_start_seconds", "add_nodes_seconds")] + [("cpu", result["hardware"]["cpu"])]
     report(rows, result, args.json)
+    if args.plot:
+        plot(result, args.plot)
     return 0 if result["all_ready"] and result["overcommitted_nodes"] == 0 else 1
 
 
@@ -353,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster and queue")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the fastest is reported")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw accelerators placed against the bound and unplaced Slices by reason (--cluster: "
+                             "Slices bound and Ready over time) into FILE.png (matplotlib)")
     args = parser.parse_args(argv)
     if args.nodes is None:
         args.nodes = 200 if args.cluster else 10_000
@@ -368,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("nodes", result["nodes"]),
         ("pending slices", result["slices"]),
-        ("placement seconds (best of %d)" % args.repeat, f"{result['placement_seconds']:.3f}"),
+        (f"placement seconds (best of {args.repeat})", f"{result['placement_seconds']:.3f}"),
         ("cpu seconds", f"{result['cpu_seconds']:.3f}"),
         ("placed", result["placed"]),
         ("unplaced", f"{result['unplaced']} {result['unplaced_by_code']}"),
@@ -380,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         ("cpu", result["hardware"]["cpu"]),
     ]
     report(rows, result, args.json)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

@@ -29,13 +29,28 @@ def up(argv: list[str]) -> int:
     ap.add_argument("--accelerator-type", default=None, help="value of the tokenfleet.dev/accelerator label")
     ap.add_argument("--nodes-per-block", type=int, default=4, help="hosts per topology block (default 4)")
     ap.add_argument("--blocks-per-zone", type=int, default=4)
+    ap.add_argument("--real-node", action="store_true",
+                    help="also start a real node beside the KWOK nodes: the kubelet, containerd and CNI in a network "
+                         "namespace of the plane's own (root; see docs/local-cluster.md)")
+    ap.add_argument("--load-images", action="store_true",
+                    help="with --real-node: build tokenfleet's images (hack/build-images.sh, cached) and load them "
+                         "into the node's containerd")
     args = ap.parse_args(argv)
+    if args.load_images and not args.real_node:
+        print("tokenfleet cluster up: --load-images needs --real-node", file=sys.stderr)
+        return 2
     try:
         pool = NodePool(count=args.nodes, accelerator=args.accelerator, per_node=args.per_node,
                         accelerator_type=args.accelerator_type or ("nvidia-h100-80gb" if args.accelerator == "gpu" else "tpu-v5p"),
                         nodes_per_block=args.nodes_per_block, blocks_per_zone=args.blocks_per_zone)
-        plane = LocalCluster(args.dir, pools=[pool]).up()
-    except (PlaneError, ValueError) as e:
+        plane = LocalCluster(args.dir, pools=[pool], real_node=args.real_node).up()
+        if args.load_images:
+            from .. import images
+            images.build()
+            loaded = images.load_into_node(plane.node_layout())
+            print(f"images on {plane.node_layout().name}: {', '.join(images.ref(n) for n in images.NAMES)}"
+                  f" ({'loaded ' + ', '.join(loaded) if loaded else 'already there'})")
+    except (PlaneError, ValueError, RuntimeError) as e:
         print(f"tokenfleet cluster up: {e}", file=sys.stderr)
         return 1
     print(f"\nexport KUBECONFIG={plane.kubeconfig}\nkubectl get nodes   # kubectl v1.34 is in {plane.state()['bin_dir']}\n"

@@ -10,7 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "build-kube-bins.sh"
 NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
 
@@ -47,3 +47,24 @@ def ensure_built(quiet: bool = False) -> Path:
 
 def binary(name: str) -> str:
     return str(bin_dir() / name)
+
+
+NODE_BUILD_SCRIPT = REPO_ROOT / "hack" / "build-node-bins.sh"
+
+
+def node_bin_dir() -> Path:
+    """The real node's kubelet (``hack/build-node-bins.sh``): .cache/bin/<kubernetes version>-node."""
+    env = os.environ.get("TOKENFLEET_NODE_BIN_DIR")
+    if env:
+        return Path(env)
+    return REPO_ROOT / ".cache" / "bin" / f"{_pinned_version()}-node"
+
+
+def ensure_node_built(quiet: bool = False) -> Path:
+    """Return the kubelet's folder, building it (about a minute with a warm Go cache) if missing."""
+    d = node_bin_dir()
+    if (d / "kubelet").exists() and (d / ".stamp").exists():
+        return d
+    subprocess.run(["bash", str(NODE_BUILD_SCRIPT)], check=True, stdout=subprocess.DEVNULL if quiet else None,
+                   env={**os.environ, "TOKENFLEET_NODE_BIN_DIR": str(d)})
+    return d

@@ -1,0 +1,1 @@
+"""Benchmarks that run on the embedded local control plane."""

@@ -1,0 +1,767 @@
+"""``tokenfleet bench fleet``: the fleet loop on the local control plane, side by side in one run.
+
+A real local control plane (``localcluster``), tokenfleet's CRDs and RBAC from ``manifests/base``, the
+operator under its own ServiceAccount (``--collect-seconds`` short, so its readings follow a short trace),
+and InferenceServices of a small random-weight model whose replicas and routers run as local processes
+(the pod runner). The load comes from ``loadgen.py``, a process of its own that talks to the router pod
+like any client: streamed completions, timed where the client sees them.
+
+**(a) Autoscaling against static replicas.** One seeded Poisson arrival trace (ramp up, plateau, burst,
+ramp down, idle) is played first against ``--max-replicas`` static replicas, then against an autoscaled
+service (``minReplicas: 0``, ``maxReplicas``; it starts with one replica). Reported for each: SLO attainment
+(overall and per phase, from the client's TTFT and TPOT), replica-seconds (the Slices that existed,
+integrated over the trace), $/Mtok two ways (``status.cost`` at the end of the trace, and replica-seconds x
+price / tokens delivered) and requests lost (anything short of a complete 200 stream). Then the autoscaled
+service is left idle until it is at zero, and one request measures the scale-from-zero first token
+(arrival to first token at the client).
+
+The SLO: with ``--slo-ttft-ms``/``--slo-tpot-ms`` unset it is taken from the static run, as twice the p95
+TTFT and TPOT that the static replicas showed on the plateau (rounded up), i.e. an SLO the static fleet
+meets on this machine; the autoscaled service is then created with it (its autoscaler reads it).
+
+**(b) W4 routing.** ``--w4-replicas`` fresh replicas per policy (a new InferenceService each), ``--w4-clients``
+closed-loop clients whose prompts are one of ``--w4-prefixes`` shared system prompts of ``--w4-prefix-tokens``
+tokens plus ``--w4-suffix-tokens`` random tokens. Each replica's KV cache (``engine.kvCacheMb``) holds only
+a few of the prefixes; the JSON states how many. Reported per policy: TTFT p50/p95, the prefix-cache hit
+rate (cached prompt tokens / prompt tokens, from each response's usage), throughput. A no-sharing control
+(every prompt distinct, same length) runs under prefix-aware and least-load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tokenfleet_dev.bench import fleet_metrics as fm
+from tokenfleet_dev.bench.fleet_metrics import Phase, Slo
+
+REPO = Path(__file__).resolve().parents[3]
+GROUP, VERSION = "tokenfleet.dev", "v1alpha1"
+SERVICE_LABEL = "tokenfleet.dev/inference-service"
+ROLE_LABEL = "tokenfleet.dev/role"
+OPERATOR_NAMESPACE, OPERATOR_SA = "tokenfleet-system", "tokenfleet-operator"
+IMAGE = "tokenfleet/serving:bench"
+PRICE = {"acceleratorPerHour": 2.5, "overheadPerHour": 0.4}   # nominal: one H100-priced accelerator per replica
+PRICE_PER_REPLICA_HOUR = PRICE["acceleratorPerHour"] + PRICE["overheadPerHour"]
+POLICIES = ("prefix-aware", "kv-aware", "least-load", "round-robin")
+NOSHARING_POLICIES = ("prefix-aware", "least-load")
+FIRST_TOKEN_ID = 5          # ids below are the tokenizer's special tokens
+
+
+def default_trace(scale: float = 1.0, rate: float = 3.0) -> list[Phase]:
+    """Ramp up, plateau, burst, ramp down, idle; ``scale`` stretches the durations, ``rate`` is the plateau's."""
+    return [Phase("ramp-up", 40 * scale, 0.2 * rate, rate), Phase("plateau", 80 * scale, rate, rate),
+            Phase("burst", 20 * scale, 2 * rate, 2 * rate), Phase("ramp-down", 40 * scale, rate, 0.2 * rate),
+            Phase("idle", 45 * scale, 0.0, 0.0)]
+
+
+@dataclass
+class Settings:
+    # the model: a random-weight Llama of about 4 M parameters; fp32, 4 KiB of KV per token (4 layers x 4 KV
+    # heads x 32 dims x K and V x 4 bytes)
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 768
+    vocab: int = 1024
+    context: int = 2048
+    # (a) autoscaling
+    trace: list[Phase] = field(default_factory=default_trace)
+    prompt_tokens: int = 256
+    max_tokens: int = 32
+    max_replicas: int = 4
+    slo_ttft_ms: int | None = None             # None: from the static run's plateau
+    slo_tpot_ms: int | None = None
+    target_requests_per_replica: float = 8.0
+    scale_down_stabilization_s: int = 20
+    scale_to_zero_after_s: int = 20
+    collect_seconds: float = 2.0
+    seed: int = 15
+    # (b) W4
+    w4_replicas: int = 4
+    w4_clients: int = 16
+    w4_seconds: float = 60.0
+    w4_warmup_s: float = 10.0
+    w4_prefixes: int = 8
+    w4_prefix_tokens: int = 1024
+    w4_suffix_tokens: int = 16
+    w4_max_tokens: int = 16
+    w4_kv_mb: int = 12
+    policies: tuple[str, ...] = POLICIES
+    nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
+    skip_autoscale: bool = False
+    skip_w4: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 4     # K and V, fp32
+
+    def kv_blocks(self, mb: int, block: int = 16) -> int:
+        return mb * 2**20 // (self.kv_bytes_per_token * block)
+
+
+def hardware() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+# ---- the cluster side ------------------------------------------------------------------------------
+class Cluster:
+    """The plane, the operator and the InferenceServices of one benchmark run."""
+
+    def __init__(self, plane, namespace: str, settings: Settings, workdir: Path, log: Callable[[str], None]):
+        from kubernetes import client, config
+        self.plane, self.namespace, self.s, self.workdir, self.log = plane, namespace, settings, workdir, log
+        api = config.new_client_from_config(str(plane.kubeconfig))
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        self.operator: subprocess.Popen | None = None
+        self.model_dir = workdir / "model"
+
+    def install(self) -> None:
+        self.plane.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "base"))
+        for crd in ("inferenceservices", "slices", "slicequeues"):
+            self.plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}.{GROUP}", "--timeout=60s")
+        if self.plane.kubectl("get", "namespace", self.namespace, check=False).returncode != 0:
+            self.plane.kubectl("create", "namespace", self.namespace)
+
+    def start_operator(self) -> None:
+        kubeconfig = self.plane.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, duration_seconds=6 * 3600)
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        log = open(self.workdir / "operator.log", "ab")
+        self.operator = subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet_cli", "operator", "-n", self.namespace, "--no-leader-election",
+             f"--collect-seconds={self.s.collect_seconds:g}", "--resync-seconds=5", "--metrics-port=0",
+             "--health-port=0", f"--allow-host-path={self.model_dir}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        log.close()
+
+    def stop_operator(self) -> None:
+        if self.operator and self.operator.poll() is None:
+            self.operator.terminate()
+            try:
+                self.operator.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+
+    def create_model(self) -> Path:
+        from tokenfleet_serving.testing_models import create_random_checkpoint
+        s = self.s
+        if not (self.model_dir / "config.json").exists():
+            create_random_checkpoint(self.model_dir, num_layers=s.layers, hidden_size=s.hidden, num_heads=s.heads,
+                                     num_kv_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab,
+                                     max_position_embeddings=s.context)
+        return self.model_dir
+
+    # ---- InferenceServices
+    def manifest(self, name: str, *, replicas: int, engine: dict, policy: str = "prefix-aware",
+                 slo: Slo | None = None, autoscaling: dict | None = None) -> dict:
+        spec: dict[str, Any] = {
+            "model": {"hostPath": {"path": str(self.model_dir)}, "servedModelNames": ["bench"]},
+            "replicas": replicas,
+            "accelerator": {"type": "nvidia-h100-80gb", "resourceName": "nvidia.com/gpu", "countPerHost": 1,
+                            "hostsPerReplica": 1, "topology": "1"},
+            "engine": {"dtype": "float32", "maxModelLen": self.s.context, "kvBlockSize": 16, "maxNumSeqs": 16,
+                       "maxNumBatchedTokens": 512, "enablePrefixCaching": True,
+                       # one torch thread per replica: the replicas share the host's cores as accelerators would not
+                       "extraArgs": ["--num-threads", "1"], **engine},
+            "routing": {"policy": policy},
+            "price": PRICE,
+            "image": IMAGE,
+        }
+        if slo is not None:
+            spec["slo"] = {"timeToFirstTokenMs": round(slo.ttft_s * 1000), "timePerOutputTokenMs": round(slo.tpot_s * 1000),
+                           "percentile": 95}
+        if autoscaling is not None:
+            spec.update(minReplicas=0, maxReplicas=self.s.max_replicas, autoscaling=autoscaling)
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService",
+                "metadata": {"name": name, "namespace": self.namespace}, "spec": spec}
+
+    def apply(self, manifest: dict) -> None:
+        self.plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(manifest))
+
+    def service(self, name: str) -> dict | None:
+        from kubernetes.client.rest import ApiException
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "inferenceservices", name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def slices(self, name: str) -> list[dict]:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, "slices",
+                                                         label_selector=f"{SERVICE_LABEL}={name}")["items"]
+
+    def pods(self, name: str, role: str) -> list:
+        return self.core.list_namespaced_pod(self.namespace, label_selector=f"{SERVICE_LABEL}={name},{ROLE_LABEL}={role}").items
+
+    def router_url(self, name: str) -> str | None:
+        for p in self.pods(name, "router"):
+            ready = any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            if ready and p.status.pod_ip and p.metadata.deletion_timestamp is None:
+                return f"http://{p.status.pod_ip}:8080"
+        return None
+
+    def wait_routable(self, name: str, backends: int, timeout: float) -> str:
+        """The router's URL once it routes to ``backends`` replicas."""
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            url = self.router_url(name)
+            if url:
+                try:
+                    with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                        body = json.loads(r.read())
+                    last = str(body)
+                    if body.get("backends", 0) >= backends:
+                        return url
+                except OSError as e:
+                    last = str(e)
+            time.sleep(1)
+        raise RuntimeError(f"{name}: the router does not route to {backends} replicas after {timeout:.0f}s ({last}); "
+                           f"see {self.workdir}/operator.log and the plane's pod logs")
+
+    def delete(self, name: str, timeout: float = 120) -> None:
+        """Delete a service and wait until its pods are gone (their processes ended), so the next run has the
+        cores to itself."""
+        self.plane.kubectl("delete", "inferenceservice", name, "-n", self.namespace, "--wait=false", check=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.core.list_namespaced_pod(self.namespace, label_selector=f"{SERVICE_LABEL}={name}").items:
+                return
+            time.sleep(1)
+        self.log(f"warning: pods of {name} still exist {timeout:.0f}s after its deletion")
+
+
+def replica_cpu_seconds(ips: set[str]) -> float:
+    """CPU seconds (user + system) used so far by the local processes of the serving pods at ``ips``: the
+    share of the host the replicas actually got, which other work on a shared host changes from run to run."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"serve" not in argv or not any(a.decode(errors="replace") in ips for a in argv):
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick          # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class Sampler(threading.Thread):
+    """Once a second: the Slices that exist for a service, its serving pods, desired and ready replicas, and
+    status.cost."""
+
+    def __init__(self, cluster: Cluster, name: str, period: float = 1.0):
+        super().__init__(daemon=True)
+        self.cluster, self.name, self.period = cluster, name, period
+        self.samples: list[dict[str, Any]] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            t = time.time()
+            try:
+                obj = self.cluster.service(self.name) or {}
+                status = obj.get("status") or {}
+                serving = [p for p in self.cluster.pods(self.name, "serve") if p.status.phase in ("Pending", "Running")]
+                self.samples.append({
+                    "t": t, "slices": len(self.cluster.slices(self.name)), "serving_pods": len(serving),
+                    "desired": status.get("desiredReplicas"), "ready": status.get("readyReplicas", 0),
+                    "cost": status.get("cost"), "goodput": status.get("goodput"),
+                    "autoscaling": status.get("autoscaling"),
+                })
+            except Exception as e:  # a transient API error: skip one sample
+                self.samples.append({"t": t, "error": str(e)[:200]})
+            self.stopping.wait(max(0.0, self.period - (time.time() - t)))
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.stopping.set()
+        self.join(timeout=10)
+        return self.samples
+
+
+def run_loadgen(plan: dict, workdir: Path, label: str, timeout: float) -> list[dict[str, Any]]:
+    """Run the load generator as a process of its own and read its records."""
+    plan_path, out_path = workdir / f"{label}.plan.json", workdir / f"{label}.requests.jsonl"
+    plan_path.write_text(json.dumps(plan))
+    with open(workdir / f"{label}.loadgen.log", "wb") as log:
+        proc = subprocess.run([sys.executable, "-m", "tokenfleet_dev.bench.loadgen", str(plan_path), str(out_path)],
+                              stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load generator exited {proc.returncode}; see {workdir}/{label}.loadgen.log")
+    return [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
+
+
+# ---- (a) autoscaling against static replicas ----------------------------------------------------------
+def random_prompt(rng, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
+
+
+def trace_plan(url: str, s: Settings, start_at: float) -> dict:
+    import random
+    rng = random.Random(s.seed)
+    items = [{"at": round(t, 4), "phase": fm.phase_at(s.trace, t), "max_tokens": s.max_tokens,
+              "prompt": random_prompt(rng, s.prompt_tokens, s.vocab)} for t in fm.arrivals(s.trace, s.seed)]
+    return {"url": url, "model": "bench", "start_at": start_at, "timeout_s": 600, "open": items}
+
+
+def play_trace(cluster: Cluster, name: str, s: Settings, label: str) -> dict[str, Any]:
+    """Play the trace against a routable service; sample it while the trace runs."""
+    url = cluster.router_url(name)
+    assert url, f"{name} has no ready router"
+    sampler = Sampler(cluster, name)
+    sampler.start()
+    start = time.time() + 3.0
+    plan = trace_plan(url, s, start)
+    records = run_loadgen(plan, cluster.workdir, label, timeout=fm.trace_duration(s.trace) + 900)
+    end = start + fm.trace_duration(s.trace)
+    time.sleep(max(0.0, end - time.time()))
+    samples = sampler.stop()
+    return {"start": start, "end": end, "records": records, "samples": samples, "offered": len(plan["open"])}
+
+
+def summarize_trace(run: dict[str, Any], s: Settings, slo: Slo) -> dict[str, Any]:
+    records, samples, start, end = run["records"], run["samples"], run["start"], run["end"]
+    good = [x for x in samples if "slices" in x]
+    slices = [(x["t"], float(x["slices"])) for x in good]
+    replica_seconds = fm.integrate(slices, start, end)
+    tokens = sum(r["output_tokens"] for r in records if r["complete"])
+    phases = {}
+    for name in fm.phase_bounds(s.trace):
+        in_phase = [r for r in records if r["phase"] == name]
+        if in_phase:
+            phases[name] = {"requests": len(in_phase), "slo_attainment": fm.attainment(in_phase, slo),
+                            "ttft_p95_s": fm.percentile(map(fm.ttft, in_phase), 95),
+                            "tpot_p95_s": fm.percentile(map(fm.tpot, in_phase), 95), "lost": fm.lost(in_phase)}
+    during = [x for x in good if start <= x["t"] <= end]
+    status_cost = next((x["cost"] for x in reversed(during) if x.get("cost")), None) or {}
+    lags = [r["sent"] - r["scheduled"] for r in records if r.get("sent")]
+    return {
+        "requests": len(records), "offered": run["offered"], "lost": fm.lost(records),
+        "lost_reasons": sorted({r["error"] for r in records if not r["complete"]})[:5],
+        "slo_attainment": fm.attainment(records, slo), "phases": phases,
+        "ttft_p50_s": fm.percentile(map(fm.ttft, records), 50), "ttft_p95_s": fm.percentile(map(fm.ttft, records), 95),
+        "tpot_p95_s": fm.percentile(map(fm.tpot, records), 95),
+        "replica_seconds": round(replica_seconds, 1), "max_replicas_seen": max((x["slices"] for x in during), default=0),
+        "output_tokens": tokens,
+        "cost_per_mtok_replica_seconds": fm.cost_per_million_tokens(replica_seconds, PRICE_PER_REPLICA_HOUR, tokens),
+        "cost_per_mtok_status": status_cost.get("costPerMillionTokens"),
+        "status_cost_at_end": status_cost,
+        "client_send_lag_max_s": round(max(lags), 3) if lags else None,
+        "timeline": [{"t": round(x["t"] - start, 2), "slices": x["slices"], "ready": x["ready"],
+                      "desired": x["desired"]} for x in good],
+    }
+
+
+def slo_from_static(static: dict[str, Any], s: Settings) -> tuple[Slo, str]:
+    if s.slo_ttft_ms is not None and s.slo_tpot_ms is not None:
+        return Slo(s.slo_ttft_ms / 1000, s.slo_tpot_ms / 1000), "given"
+    plateau = [r for r in static["records"] if r["phase"] == "plateau"] or static["records"]
+    ttft95 = fm.percentile(map(fm.ttft, plateau), 95) or 0.25
+    tpot95 = fm.percentile(map(fm.tpot, plateau), 95) or 0.02
+    ttft_ms = s.slo_ttft_ms or max(250, math.ceil(2 * ttft95 * 1000 / 50) * 50)
+    tpot_ms = s.slo_tpot_ms or max(20, math.ceil(2 * tpot95 * 1000 / 5) * 5)
+    return Slo(ttft_ms / 1000, tpot_ms / 1000), (f"2 x the static replicas' plateau p95 (TTFT {ttft95:.3f} s, "
+                                                 f"TPOT {tpot95:.4f} s), rounded up")
+
+
+def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
+    engine = {"kvCacheMb": 64}
+    log = cluster.log
+    log(f"(a) static: {s.max_replicas} replicas, trace of {fm.trace_duration(s.trace):.0f}s")
+    cluster.apply(cluster.manifest("static", replicas=s.max_replicas, engine=engine))
+    cluster.wait_routable("static", s.max_replicas, 600)
+    static_run = play_trace(cluster, "static", s, "static")
+    slo, how = slo_from_static(static_run, s)
+    cluster.delete("static")
+    log(f"(a) SLO: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.0f} ms ({how})")
+
+    autoscaling = {"targetRequestsPerReplica": s.target_requests_per_replica, "scaleUpStabilizationSeconds": 0,
+                   "scaleDownStabilizationSeconds": s.scale_down_stabilization_s, "maxScaleUpReplicas": s.max_replicas,
+                   "maxScaleDownReplicas": 1, "scaleToZeroAfterSeconds": s.scale_to_zero_after_s,
+                   "drainTimeoutSeconds": 60, "pendingTimeoutSeconds": 300}
+    log(f"(a) autoscaled: 0..{s.max_replicas} replicas, starting at 1")
+    cluster.apply(cluster.manifest("auto", replicas=1, engine=engine, slo=slo, autoscaling=autoscaling))
+    cluster.wait_routable("auto", 1, 600)
+    auto_run = play_trace(cluster, "auto", s, "autoscaled")
+
+    log("(a) waiting for the autoscaled service to reach zero replicas")
+    deadline, at_zero = time.monotonic() + 240, False
+    while time.monotonic() < deadline:
+        obj = cluster.service("auto") or {}
+        if (obj.get("status") or {}).get("desiredReplicas") == 0 and not cluster.slices("auto") \
+                and not [p for p in cluster.pods("auto", "serve")]:
+            at_zero = True
+            break
+        time.sleep(1)
+    cold: dict[str, Any] = {"reached_zero": at_zero}
+    if at_zero:
+        import random
+        url = cluster.router_url("auto")
+        plan = {"url": url, "model": "bench", "start_at": time.time() + 2, "timeout_s": 600,
+                "open": [{"at": 0, "phase": "cold", "max_tokens": s.max_tokens,
+                          "prompt": random_prompt(random.Random(1), s.prompt_tokens, s.vocab)}]}
+        rec = run_loadgen(plan, cluster.workdir, "cold-start", timeout=900)[0]
+        cold.update(first_token_seconds=fm.ttft(rec), complete=rec["complete"], error=rec["error"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            reported = ((cluster.service("auto") or {}).get("status", {}).get("autoscaling") or {}).get("lastColdStartSeconds")
+            if reported:
+                cold["status_last_cold_start_seconds"] = reported
+                break
+            time.sleep(1)
+    events = cluster.plane.kubectl("get", "events", "-n", cluster.namespace, "--field-selector",
+                                   "involvedObject.name=auto", "-o", "json", check=False)
+    reasons: dict[str, int] = {}
+    if events.returncode == 0:
+        for e in json.loads(events.stdout)["items"]:
+            reasons[e["reason"]] = reasons.get(e["reason"], 0) + int(e.get("count") or 1)
+    cluster.delete("auto")
+
+    static, auto = summarize_trace(static_run, s, slo), summarize_trace(auto_run, s, slo)
+    ratio = auto["replica_seconds"] / static["replica_seconds"] if static["replica_seconds"] else None
+    return {
+        "slo": {"time_to_first_token_ms": round(slo.ttft_s * 1000), "time_per_output_token_ms": round(slo.tpot_s * 1000),
+                "percentile": 95, "chosen": how},
+        "trace": [{"phase": p.name, "seconds": p.seconds, "rate_start": p.rate_start, "rate_end": p.rate_end}
+                  for p in s.trace],
+        "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens, "autoscaling_spec": autoscaling,
+        "static": static, "autoscaled": auto, "replica_seconds_ratio": ratio, "cold_start": cold,
+        "autoscaler_events": reasons,
+    }
+
+
+# ---- (b) W4 routing -----------------------------------------------------------------------------------
+def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: list[list[int]]) -> dict[str, Any]:
+    name = f"{'w4' if sharing else 'ns'}-{policy}"
+    cluster.log(f"(b) {'W4' if sharing else 'no-sharing'} under {policy}: {s.w4_replicas} fresh replicas, "
+                f"{s.w4_clients} clients for {s.w4_seconds:.0f}s")
+    cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb}, policy=policy))
+    url = cluster.wait_routable(name, s.w4_replicas, 600)
+    ips = {p.status.pod_ip for p in cluster.pods(name, "serve") if p.status.pod_ip}
+    closed = {"clients": s.w4_clients, "duration_s": s.w4_seconds, "max_tokens": s.w4_max_tokens, "seed": s.seed,
+              "vocab_lo": FIRST_TOKEN_ID, "vocab_hi": s.vocab, "suffix_len": s.w4_suffix_tokens,
+              "prompt_len": s.w4_prefix_tokens + s.w4_suffix_tokens, "prefixes": prefixes if sharing else []}
+    start = time.time() + 2.0
+    cpu_before = replica_cpu_seconds(ips)
+    records = run_loadgen({"url": url, "model": "bench", "start_at": start, "timeout_s": 600, "closed": closed},
+                          cluster.workdir, name, timeout=s.w4_seconds + 900)
+    cpu = replica_cpu_seconds(ips) - cpu_before
+    reasons = router_decisions(url)
+    cluster.delete(name)
+    # the first w4_warmup_s fill the fresh caches: the statistics are of the requests sent after them
+    measured_from = start + s.w4_warmup_s
+    done = [r for r in records if r["complete"] and r["sent"] >= measured_from]
+    elapsed = max((r["finished"] for r in records), default=start) - measured_from
+    prompt = sum(r["prompt_tokens"] for r in done)
+    backends: dict[str, int] = {}
+    for r in done:
+        backends[r["backend"] or "?"] = backends.get(r["backend"] or "?", 0) + 1
+    return {
+        "policy": policy, "sharing": sharing, "requests": len(records), "lost": fm.lost(records),
+        "ttft_p50_s": fm.percentile(map(fm.ttft, done), 50), "ttft_p95_s": fm.percentile(map(fm.ttft, done), 95),
+        "tpot_p50_s": fm.percentile(map(fm.tpot, done), 50),
+        "prefix_cache_hit_rate": sum(r["cached_tokens"] for r in done) / prompt if prompt else None,
+        "requests_per_second": len(done) / elapsed if elapsed > 0 else None,
+        "output_tokens_per_second": sum(r["output_tokens"] for r in done) / elapsed if elapsed > 0 else None,
+        "seconds": round(elapsed, 1), "requests_per_backend": dict(sorted(backends.items())),
+        "router_decisions": reasons,
+        "replica_cpu_seconds": round(cpu, 1),
+        "requests_per_replica_cpu_second": len([r for r in records if r["complete"]]) / cpu if cpu > 0 else None,
+    }
+
+
+def router_decisions(url: str) -> dict[str, float]:
+    """The router's routing decisions by reason (tokenfleet_router_requests_total), from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokenfleet_router_requests_total":
+                out[sample.labels["reason"]] = out.get(sample.labels["reason"], 0) + sample.value
+    return dict(sorted(out.items()))
+
+
+def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
+    import random
+    rng = random.Random(s.seed + 4)
+    prefixes = [random_prompt(rng, s.w4_prefix_tokens, s.vocab) for _ in range(s.w4_prefixes)]
+    kv_blocks = s.kv_blocks(s.w4_kv_mb)
+    prefix_blocks = s.w4_prefix_tokens // 16
+    runs = {p: w4_run(cluster, s, p, True, prefixes) for p in s.policies}
+    control = {p: w4_run(cluster, s, p, False, prefixes) for p in s.nosharing_policies}
+    p95 = {p: r["ttft_p95_s"] for p, r in runs.items()}
+    rr, pa = p95.get("round-robin"), p95.get("prefix-aware")
+    ns_pa, ns_ll = control.get("prefix-aware", {}).get("ttft_p95_s"), control.get("least-load", {}).get("ttft_p95_s")
+    return {
+        "replicas": s.w4_replicas, "clients": s.w4_clients, "seconds_per_policy": s.w4_seconds,
+        "warmup_seconds_left_out": s.w4_warmup_s,
+        "prefixes": s.w4_prefixes, "prefix_tokens": s.w4_prefix_tokens, "suffix_tokens": s.w4_suffix_tokens,
+        "max_tokens": s.w4_max_tokens,
+        "kv_cache": {"mb_per_replica": s.w4_kv_mb, "blocks_per_replica": kv_blocks, "blocks_per_prefix": prefix_blocks,
+                     "prefixes_per_replica": round(kv_blocks / prefix_blocks, 2),
+                     "share_of_prefixes_one_replica_holds": round(kv_blocks / prefix_blocks / s.w4_prefixes, 3)},
+        "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
+        "p95_ratio_round_robin_over_prefix_aware": rr / pa if rr and pa else None,
+        "nosharing_p95_ratio_prefix_aware_over_least_load": ns_pa / ns_ll if ns_pa and ns_ll else None,
+    }
+
+
+# ---- the whole run ----------------------------------------------------------------------------------
+def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Both sections on a running plane: install, operator, model, then (a) and (b)."""
+    hw = hardware()
+    cluster = Cluster(plane, namespace, s, workdir, log)
+    cluster.install()
+    cluster.create_model()
+    cluster.start_operator()
+    t0 = time.monotonic()
+    try:
+        autoscale = None if s.skip_autoscale else autoscale_section(cluster, s)
+        w4 = None if s.skip_w4 else w4_section(cluster, s)
+    finally:
+        cluster.stop_operator()
+    hw["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result: dict[str, Any] = {"hardware": hw, "seconds": round(time.monotonic() - t0, 1),
+                              "model": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
+                                        "intermediate": s.intermediate, "vocab": s.vocab, "dtype": "float32",
+                                        "kv_bytes_per_token": s.kv_bytes_per_token},
+                              "price_per_replica_hour": PRICE_PER_REPLICA_HOUR}
+    if autoscale is not None:
+        auto, static = autoscale["autoscaled"], autoscale["static"]
+        result.update(
+            autoscale_slo_attainment=auto["slo_attainment"],
+            autoscale_plateau_slo_attainment=(auto["phases"].get("plateau") or {}).get("slo_attainment"),
+            static_slo_attainment=static["slo_attainment"],
+            static_plateau_slo_attainment=(static["phases"].get("plateau") or {}).get("slo_attainment"),
+            autoscale_replica_seconds_ratio=autoscale["replica_seconds_ratio"],
+            requests_lost=auto["lost"],
+            static_requests_lost=static["lost"],
+            scale_from_zero_first_token_seconds=autoscale["cold_start"].get("first_token_seconds"),
+            autoscale_cost_per_mtok={"status": auto["cost_per_mtok_status"],
+                                     "replica_seconds": auto["cost_per_mtok_replica_seconds"]},
+            static_cost_per_mtok={"status": static["cost_per_mtok_status"],
+                                  "replica_seconds": static["cost_per_mtok_replica_seconds"]},
+            autoscale=autoscale,
+        )
+    if w4 is not None:
+        result.update(
+            w4_ttft_p95_seconds=w4["ttft_p95_seconds"],
+            w4_p95_ratio_round_robin_over_prefix_aware=w4["p95_ratio_round_robin_over_prefix_aware"],
+            nosharing_p95_ratio_prefix_aware_over_least_load=w4["nosharing_p95_ratio_prefix_aware_over_least_load"],
+            w4_prefix_cache_hit_rate={p: r["prefix_cache_hit_rate"] for p, r in w4["policies"].items()},
+            w4_requests_lost=sum(r["lost"] for r in [*w4["policies"].values(), *w4["nosharing"].values()]),
+            w4=w4,
+        )
+    return result
+
+
+# ---- output -------------------------------------------------------------------------------------------
+def _f(x: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def tables(result: dict[str, Any]) -> str:
+    lines = []
+    hw = result["hardware"]
+    lines.append(f"hardware: {hw['cpu']}, {hw['logical_cpus']} logical CPUs, loadavg {hw['loadavg_start']} -> "
+                 f"{hw.get('loadavg_end')}")
+    a = result.get("autoscale")
+    if a:
+        slo = a["slo"]
+        lines.append(f"\n(a) autoscaling vs static {result['autoscale']['static']['max_replicas_seen']} replicas; SLO "
+                     f"TTFT {slo['time_to_first_token_ms']} ms, TPOT {slo['time_per_output_token_ms']} ms at p95 "
+                     f"({slo['chosen']})")
+        lines.append(f"{'':34}{'static':>14}{'autoscaled':>14}")
+        st, au = a["static"], a["autoscaled"]
+        rows = [("SLO attainment, whole trace", "slo_attainment", "{:.3f}")]
+        for row, key, fmt in rows:
+            lines.append(f"{row:34}{_f(st[key], fmt):>14}{_f(au[key], fmt):>14}")
+        for phase in (p["phase"] for p in a["trace"]):
+            sp, ap = st["phases"].get(phase, {}), au["phases"].get(phase, {})
+            lines.append(f"{'  ' + phase + ' (requests)':34}{_f(sp.get('slo_attainment')) + ' (' + str(sp.get('requests', 0)) + ')':>14}"
+                         f"{_f(ap.get('slo_attainment')) + ' (' + str(ap.get('requests', 0)) + ')':>14}")
+        for row, key, fmt in (("TTFT p50 / s", "ttft_p50_s", "{:.3f}"), ("TTFT p95 / s", "ttft_p95_s", "{:.3f}"),
+                              ("TPOT p95 / s", "tpot_p95_s", "{:.4f}"), ("replica-seconds", "replica_seconds", "{:.0f}"),
+                              ("most replicas", "max_replicas_seen", "{}"), ("output tokens", "output_tokens", "{}"),
+                              ("$/Mtok (replica-s x price)", "cost_per_mtok_replica_seconds", "{:.2f}"),
+                              ("$/Mtok (status.cost, 5m)", "cost_per_mtok_status", "{:.2f}"),
+                              ("requests lost", "lost", "{}")):
+            lines.append(f"{row:34}{_f(st[key], fmt):>14}{_f(au[key], fmt):>14}")
+        lines.append(f"replica-seconds autoscaled / static: {_f(a['replica_seconds_ratio'])}")
+        cold = a["cold_start"]
+        lines.append(f"scale from zero, arrival to first token at the client: {_f(cold.get('first_token_seconds'), '{:.1f}')} s "
+                     f"(status.autoscaling.lastColdStartSeconds {_f(cold.get('status_last_cold_start_seconds'), '{:.1f}')} s)")
+    w = result.get("w4")
+    if w:
+        kv = w["kv_cache"]
+        lines.append(f"\n(b) W4: {w['replicas']} replicas, {w['clients']} clients, {w['prefixes']} prefixes of "
+                     f"{w['prefix_tokens']} tokens + {w['suffix_tokens']}; KV per replica {kv['blocks_per_replica']} blocks "
+                     f"= {kv['prefixes_per_replica']} prefixes of {w['prefixes']}")
+        lines.append(f"{'policy':22}{'TTFT p50/s':>12}{'TTFT p95/s':>12}{'hit rate':>10}{'req/s':>8}{'tok/s':>8}"
+                     f"{'lost':>6}{'CPU s':>7}{'req/CPU s':>11}")
+        for label, runs in (("", w["policies"]), ("no-sharing ", w["nosharing"])):
+            for p, r in runs.items():
+                lines.append(f"{label + p:22}{_f(r['ttft_p50_s']):>12}{_f(r['ttft_p95_s']):>12}"
+                             f"{_f(r['prefix_cache_hit_rate'], '{:.2f}'):>10}{_f(r['requests_per_second'], '{:.2f}'):>8}"
+                             f"{_f(r['output_tokens_per_second'], '{:.0f}'):>8}{r['lost']:>6}"
+                             f"{_f(r.get('replica_cpu_seconds'), '{:.0f}'):>7}"
+                             f"{_f(r.get('requests_per_replica_cpu_second'), '{:.3f}'):>11}")
+        for label, runs in (("", w["policies"]), ("no-sharing ", w["nosharing"])):
+            for p, r in runs.items():
+                lines.append(f"  router decisions, {label + p}: "
+                             + ", ".join(f"{k} {v:.0f}" for k, v in (r.get("router_decisions") or {}).items()))
+        lines.append(f"p95 round-robin / prefix-aware: {_f(w['p95_ratio_round_robin_over_prefix_aware'], '{:.2f}')}; "
+                     f"no-sharing p95 prefix-aware / least-load: {_f(w['nosharing_p95_ratio_prefix_aware_over_least_load'], '{:.3f}')}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, w = result.get("autoscale"), result.get("w4")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    if a:
+        ax = axes[0]
+        for label, run, style in (("static", a["static"], "--"), ("autoscaled", a["autoscaled"], "-")):
+            tl = run["timeline"]
+            ax.step([x["t"] for x in tl], [x["slices"] for x in tl], style, where="post", label=f"replicas, {label}")
+        trace = [Phase(p["phase"], p["seconds"], p["rate_start"], p["rate_end"]) for p in a["trace"]]
+        end = fm.trace_duration(trace)
+        ax.set_xlim(0, end)
+        most = max((x["slices"] for run in (a["static"], a["autoscaled"]) for x in run["timeline"]), default=1)
+        ax.set_ylim(-0.2, most + 0.8)
+        ax.set_xlabel("seconds into the trace")
+        ax.set_ylabel("replicas (Slices)")
+        twin = ax.twinx()
+        ts = [i * end / 400 for i in range(401)]
+        twin.plot(ts, [fm.rate_at(trace, t) for t in ts], color="grey", alpha=0.6, label="offered load")
+        twin.set_ylabel("offered load / requests per s")
+        for name, (lo, _) in fm.phase_bounds(trace).items():
+            ax.axvline(lo, color="lightgrey", lw=0.8)
+            ax.text(lo + 1, ax.get_ylim()[1] * 0.97, name, fontsize=7, va="top")
+        lines_, labels_ = ax.get_legend_handles_labels()
+        l2, lab2 = twin.get_legend_handles_labels()
+        ax.legend(lines_ + l2, labels_ + lab2, loc="center right", fontsize=8)
+        ax.set_title(f"replicas and offered load (replica-seconds ratio {_f(a['replica_seconds_ratio'], '{:.2f}')})")
+    if w:
+        ax = axes[1]
+        names = [*w["policies"], *[f"no-sharing\n{p}" for p in w["nosharing"]]]
+        values = [r["ttft_p95_s"] or 0 for r in [*w["policies"].values(), *w["nosharing"].values()]]
+        ax.bar(range(len(names)), values, color=["C0"] * len(w["policies"]) + ["C7"] * len(w["nosharing"]))
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("TTFT p95 / s")
+        ax.set_title("W4: TTFT p95 per routing policy")
+    hw = result["hardware"]
+    fig.suptitle(f"tokenfleet bench fleet: {hw['cpu']}, {hw['logical_cpus']} CPUs, loadavg {hw['loadavg_start'][0]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    s = Settings()
+    s = replace(s, trace=default_trace(args.trace_scale, args.rate), max_replicas=args.max_replicas,
+                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                target_requests_per_replica=args.target_requests_per_replica,
+                scale_down_stabilization_s=args.scale_down_stabilization, scale_to_zero_after_s=args.scale_to_zero_after,
+                collect_seconds=args.collect_seconds, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                seed=args.seed, w4_replicas=args.w4_replicas,
+                w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
+                policies=tuple(args.policies.split(",")), nosharing_policies=tuple(args.nosharing_policies.split(",")),
+                skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenfleet bench fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw replicas and load over time, and TTFT p95 per policy")
+    ap.add_argument("--workdir", help="plane, model, logs and request records (default: a temp dir)")
+    ap.add_argument("--nodes", type=int, default=4, help="KWOK nodes (8 accelerators each)")
+    ap.add_argument("--trace-scale", type=float, default=0.8, help="stretch the trace's phases (1: 225 s)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=3.0, help="plateau rate, requests per second (burst: twice)")
+    ap.add_argument("--max-replicas", type=int, default=4)
+    ap.add_argument("--slo-ttft-ms", type=int, help="default: from the static run (see the description)")
+    ap.add_argument("--slo-tpot-ms", type=int)
+    ap.add_argument("--target-requests-per-replica", type=float, default=8.0,
+                    help="spec.autoscaling.targetRequestsPerReplica (the API default)")
+    ap.add_argument("--scale-down-stabilization", type=int, default=20)
+    ap.add_argument("--scale-to-zero-after", type=int, default=20)
+    ap.add_argument("--collect-seconds", type=float, default=2.0, help="the operator's --collect-seconds")
+    ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--w4-replicas", type=int, default=4)
+    ap.add_argument("--w4-clients", type=int, default=16)
+    ap.add_argument("--w4-seconds", type=float, default=60.0, help="closed-loop load per policy")
+    ap.add_argument("--w4-warmup", type=float, default=10.0, help="seconds of each W4 run left out of its statistics")
+    ap.add_argument("--w4-kv-mb", type=int, default=12, help="engine.kvCacheMb of the W4 replicas")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--nosharing-policies", default=",".join(NOSHARING_POLICIES))
+    ap.add_argument("--skip-autoscale", action="store_true")
+    ap.add_argument("--skip-w4", action="store_true")
+    args = ap.parse_args(argv)
+    s = settings_from_args(args)
+
+    from tokenfleet_dev.localcluster.nodes import NodePool
+    from tokenfleet_dev.localcluster.plane import LocalCluster
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tokenfleet-fleet-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    plane = LocalCluster(workdir / "plane", pools=[NodePool(count=args.nodes, accelerator="gpu", per_node=8)],
+                         tie_to_parent=True, log=log)
+    log(f"workdir {workdir}; starting the local control plane")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # stop the plane on the way out
+    try:
+        plane.up()
+        result = run_bench(plane, "bench", s, workdir, log)
+    finally:
+        plane.down()
+    print(tables(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
