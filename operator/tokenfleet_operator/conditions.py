@@ -7,19 +7,20 @@ and the API server sees no change.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 Status = Literal["True", "False", "Unknown"]
 
 
 def now_rfc3339(now: dt.datetime | None = None) -> str:
-    moment = now or dt.datetime.now(dt.timezone.utc)
-    return moment.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    moment = now or dt.datetime.now(dt.UTC)
+    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_rfc3339(text: str) -> dt.datetime:
-    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def find(conditions: Iterable[dict[str, Any]] | None, type_: str) -> dict[str, A
 
 def is_true(conditions: Iterable[dict[str, Any]] | None, type_: str) -> bool:
     cond = find(conditions, type_)
-    return bool(cond) and cond.get("status") == "True"
+    return cond is not None and cond.get("status") == "True"
 
 
 def merge(
@@ -63,12 +64,13 @@ def merge(
         seen.add(want.type)
         old = find(existing, want.type)
         changed = old is None or old.get("status") != want.status
-        cond = {
+        since = now if old is None or changed else old.get("lastTransitionTime", now)
+        cond: dict[str, Any] = {
             "type": want.type,
             "status": want.status,
             "reason": want.reason,
             "message": want.message,
-            "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
+            "lastTransitionTime": since,
         }
         if generation is not None:
             cond["observedGeneration"] = generation

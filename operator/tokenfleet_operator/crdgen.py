@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from tokenfleet_operator.api import GROUP, RESOURCES, VERSION
 from tokenfleet_operator.api.common import Resource
@@ -87,6 +88,10 @@ def to_structural(node: dict[str, Any], defs: dict[str, Any], path: str, *, need
         if key in _KEPT_KEYWORDS:
             out[key] = copy.deepcopy(value)
 
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(exclusive), (int, float)) and not isinstance(out[exclusive], bool):
+            # JSON Schema 2020 (pydantic's gt/lt) writes the bound itself; OpenAPI v3.0 a flag beside it
+            out[bound], out[exclusive] = out[exclusive], True
     if needs_description and not out.get("description"):
         raise SchemaError(f"{path}: every field needs a description (Field(description=...)) so kubectl explain can show it")
 
@@ -123,7 +128,7 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
     return head | tail
 
 
-def model_schema(model: type, path: str) -> dict[str, Any]:
+def model_schema(model: type[BaseModel], path: str) -> dict[str, Any]:
     """The structural schema of one pydantic model (e.g. a spec or a status)."""
     raw = model.model_json_schema(by_alias=True, mode="serialization")
     defs = raw.pop("$defs", {})
@@ -133,11 +138,16 @@ def model_schema(model: type, path: str) -> dict[str, Any]:
 def openapi_schema(resource: type[Resource]) -> dict[str, Any]:
     """The openAPIV3Schema of a top-level resource."""
     fields = resource.model_fields
-    spec = model_schema(fields["spec"].annotation, "spec")
+    spec_type, status_union = fields["spec"].annotation, fields["status"].annotation
+    assert isinstance(spec_type, type) and issubclass(spec_type, BaseModel), "a resource's spec is a model"
+    spec = model_schema(spec_type, "spec")
     spec["description"] = fields["spec"].description
-    status_type = [t for t in fields["status"].annotation.__args__ if t is not type(None)][0]
+    status_type = [t for t in getattr(status_union, "__args__", ()) if t is not type(None)][0]
     status = model_schema(status_type, "status")
     status["description"] = fields["status"].description
+    # Until the operator first writes it, the API server shows every object with status.observedGeneration 0:
+    # kstatus (Flux, kpt) and Argo CD's health checks then read a new object as in progress, not as done.
+    status["default"] = {"observedGeneration": 0}
     schema: dict[str, Any] = {
         "type": "object",
         "description": resource.crd.description,
@@ -168,7 +178,7 @@ def crd_manifest(resource: type[Resource]) -> dict[str, Any]:
         }
     columns = []
     for col in info.printer_columns:
-        entry = {"name": col.name, "type": col.type, "jsonPath": col.json_path, "description": col.description}
+        entry: dict[str, Any] = {"name": col.name, "type": col.type, "jsonPath": col.json_path, "description": col.description}
         if col.priority:
             entry["priority"] = col.priority
         columns.append(entry)

@@ -17,6 +17,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from tokenfleet_operator import metrics
 from tokenfleet_operator.naming import FIELD_MANAGER
 
 log = logging.getLogger("tokenfleet.kube")
@@ -28,20 +29,26 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "ConfigMap": ("configmaps", True),
     "Event": ("events", True),
     "PersistentVolumeClaim": ("persistentvolumeclaims", True),
+    "Secret": ("secrets", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "Deployment": ("deployments", True),
     "Node": ("nodes", False),
     "InferenceService": ("inferenceservices", True),
     "Slice": ("slices", True),
     "SliceQueue": ("slicequeues", False),
+    "Lease": ("leases", True),
 }
 
 
 class KubeError(RuntimeError):
-    """An API call failed; status is the HTTP status (0 when there was none)."""
+    """An API call failed; status is the HTTP status (0 when there was none). ``reason`` and ``detail`` are the
+    API server's Status reason (e.g. Invalid, Forbidden) and message, when it sent one."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, reason: str = "", detail: str = ""):
         super().__init__(message)
         self.status = status
+        self.reason = reason
+        self.detail = detail or message
 
     @property
     def transient(self) -> bool:
@@ -76,6 +83,34 @@ def path_for(api_version: str, kind: str, namespace: str | None, name: str | Non
     return path
 
 
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+
+
+def request_labels(method: str, path: str, content_type: str | None = None) -> tuple[str, str]:
+    """(verb, resource) of a request, in RBAC's words: ``GET /api/v1/namespaces/a/pods`` is
+    ("list", "pods"), a server-side apply of a status is ("apply", "slices/status"), a
+    Binding is ("create", "pods/binding")."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]  # drop api/v1 or apis/GROUP/VERSION
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    resource = "/".join(rest[0:1] + rest[2:3]) or "unknown"
+    named = len(rest) >= 2
+    if method == "GET":
+        verb = "get" if named else "list"
+    elif method == "POST":
+        verb = "create"
+    elif method == "PATCH":
+        verb = "apply" if content_type == APPLY_CONTENT_TYPE else "patch"
+    elif method == "PUT":
+        verb = "update"
+    elif method == "DELETE":
+        verb = "delete" if named else "deletecollection"
+    else:
+        verb = method.lower()
+    return verb, resource
+
+
 def load_api_client() -> client.ApiClient:
     """In a pod: the ServiceAccount token. Elsewhere: $KUBECONFIG or ~/.kube/config."""
     try:
@@ -91,6 +126,7 @@ class Kube:
         self._lock = threading.Lock()
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None, content_type: str | None = None) -> Any:
+        metrics.API_REQUESTS.labels(*request_labels(method, path, content_type)).inc()
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
@@ -102,12 +138,13 @@ class Kube:
             raise KubeError(0, f"{method} {path}: {e}") from e
         text = data.decode() if isinstance(data, bytes) else (data or "")
         if not 200 <= status < 300:
-            message = text
+            message, reason = text, ""
             try:
-                message = json.loads(text).get("message", text)
+                body = json.loads(text)
+                message, reason = body.get("message", text), str(body.get("reason") or "")
             except (TypeError, ValueError, AttributeError):
                 pass
-            raise KubeError(status, f"{method} {path}: {status} {message}")
+            raise KubeError(status, f"{method} {path}: {status} {message}", reason=reason, detail=message)
         return json.loads(text) if text else {}
 
     def _request(self, method: str, path: str, headers: dict, body: Any, query: list) -> tuple[int, Any]:
@@ -130,7 +167,19 @@ class Kube:
         r = ref_of(manifest)
         path = path_for(r.api_version, r.kind, r.namespace, r.name, subresource)
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
-        return self._call("PATCH", path, body=json.dumps(manifest), query=query, content_type="application/apply-patch+yaml")
+        return self._call("PATCH", path, body=json.dumps(manifest), query=query, content_type=APPLY_CONTENT_TYPE)
+
+    def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any], *,
+              field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386), for the few fields the operator sets on objects it does not own."""
+        return self._call("PATCH", path_for(api_version, kind, namespace, name), body=patch,
+                          query=[("fieldManager", field_manager)], content_type="application/merge-patch+json")
+
+    def replace(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """PUT the whole object; with metadata.resourceVersion set, 409 if it changed since it was read."""
+        r = ref_of(manifest)
+        return self._call("PUT", path_for(r.api_version, r.kind, r.namespace, r.name), body=manifest,
+                          query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
 
     def apply_status(self, obj: dict[str, Any], status: dict[str, Any], *, resource_version: str | None = None) -> dict[str, Any]:
         """Apply the whole status. With resource_version, fail with 409 if the object changed since it was read."""
@@ -212,7 +261,7 @@ class Kube:
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
         """Record a core/v1 Event on obj (shown by kubectl describe). Failures are logged, never raised."""
         meta = obj["metadata"]
-        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
             "kind": "Event",

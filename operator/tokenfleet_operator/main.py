@@ -1,75 +1,134 @@
-"""``tokenfleet operator``: run the Kopf operator.
+"""``tokenfleet operator``: run the operator.
 
-Serves Prometheus metrics on --metrics-port (/metrics) and a liveness probe
-on --health-port (/healthz). Watches the given namespaces, or all of them.
-Runs as a single active replica (Kopf standalone mode; the Deployment uses the
-Recreate strategy).
+Kopf watches the kinds in ``controller/manager.WATCHED`` and hands every event to the Manager
+(``controller/manager.py``), which keeps the cache and works the queue. With leader election (the default)
+every replica watches, and only the holder of the Lease ``--lease-name`` in ``--lease-namespace`` works:
+run two replicas and a standby takes over within about 12 s of the leader's death.
+
+Serves Prometheus metrics on --metrics-port (/metrics) and a liveness probe on --health-port (/healthz).
+Watches the given namespaces, or all of them.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="tokenfleet operator", description="Run the tokenfleet Kopf operator.")
+    ap = argparse.ArgumentParser(prog="tokenfleet operator", description="Run the tokenfleet operator.")
     ap.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable; default: all)")
     ap.add_argument("--metrics-port", type=int, default=9090, help="port of /metrics (0 disables)")
     ap.add_argument("--health-port", type=int, default=8081, help="port of /healthz (0 disables)")
-    ap.add_argument("--resync-seconds", type=float, default=30.0, help="re-reconcile every object this often")
+    ap.add_argument("--resync-seconds", type=float, default=300.0,
+                    help="reconcile every object this often even without events (a safety net; events drive the rest)")
+    ap.add_argument("--workers", type=int, default=4, help="reconciles that may run at once (different objects)")
     ap.add_argument("--schedule-interval-seconds", type=float, default=5.0,
                     help="run a gang-scheduler pass at least this often (events trigger passes sooner)")
+    ap.add_argument("--collect-seconds", type=float, default=10.0,
+                    help="read the replicas' throughput from their /metrics this often")
     ap.add_argument("--no-gang-scheduler", action="store_true",
                     help="leave Slice members to the default scheduler (no all-or-nothing placement, no queues)")
+    ap.add_argument("--no-leader-election", action="store_true",
+                    help="work at once, without a Lease (only safe with a single replica)")
+    ap.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "tokenfleet-system"),
+                    help="namespace of the leader Lease (default: $POD_NAMESPACE or tokenfleet-system)")
+    ap.add_argument("--lease-name", default="tokenfleet-operator", help="name of the leader Lease")
+    ap.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+                    help="this replica's name in the Lease (default: $POD_NAME, else host-pid)")
+    ap.add_argument("--lease-seconds", type=float, default=10.0, help="a standby takes over after this long without renewal")
+    ap.add_argument("--allow-host-path", action="append", default=[], metavar="PREFIX",
+                    help="mount host paths (spec.model.hostPath, hostpath:// checkpoint stores) only at PREFIX or "
+                         "below it (repeatable; default: none, such objects are refused with HostPathNotAllowed). "
+                         "A cluster administrator's opt-in: a host path reaches into the node")
     ap.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
-    if args.resync_seconds <= 0:
-        ap.error("--resync-seconds must be positive")
-    if args.schedule_interval_seconds <= 0:
-        ap.error("--schedule-interval-seconds must be positive")
+    from tokenfleet_operator.policy import OperatorPolicy
+    try:
+        args.policy = OperatorPolicy.from_flags(args.allow_host_path)
+    except ValueError as e:
+        ap.error(str(e))
+    for name in ("resync_seconds", "schedule_interval_seconds", "collect_seconds", "lease_seconds"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.workers < 1:
+        ap.error("--workers must be at least 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    import functools
+
     import kopf
     from prometheus_client import start_http_server
 
-    from tokenfleet_operator.gang_scheduler import GangScheduler
-    from tokenfleet_operator.handlers import kopf_handlers
-    from tokenfleet_operator.handlers.runtime import Runtime
-    from tokenfleet_operator.handlers.slice import use_admission
+    from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector
+    from tokenfleet_operator.controller.manager import Manager
+    from tokenfleet_operator.gang.scheduler import GangScheduler
+    from tokenfleet_operator.kopf_events import registry
     from tokenfleet_operator.kube import Kube
+    from tokenfleet_operator.reconcile.inference_service import reconcile_inference_service
+    from tokenfleet_operator.reconcile.replica_key import ReplicaKeys
+    from tokenfleet_operator.reconcile.slice import reconcile_slice
 
     kopf.configure(verbose=args.verbose)  # sets up logging for Kopf and for our loggers
-    logging.getLogger("tokenfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    runtime = Runtime(Kube(), args.namespace or None, args.resync_seconds)
-    kopf_handlers.RUNTIME = runtime
-    scheduler = None
-    if not args.no_gang_scheduler:
-        scheduler = GangScheduler(
-            Kube(), args.namespace or None, interval=args.schedule_interval_seconds,
-            on_change=lambda namespace, name: runtime.requeue("Slice", namespace, name, 0.0),
-        )
-        use_admission(scheduler.admission)
-        kopf_handlers.SCHEDULER = scheduler
+    log = logging.getLogger("tokenfleet")
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:     # Kopf logs every event it hands over; the reconciles log what matters
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kube = Kube()
+    namespaces = args.namespace or None
+    scheduler = None if args.no_gang_scheduler else GangScheduler(kube, namespaces, interval=args.schedule_interval_seconds)
+
+    def gang_pass() -> float:
+        assert scheduler is not None
+        scheduler.run_pass()
+        return scheduler.interval
+
+    reconcilers = {
+        "InferenceService": functools.partial(reconcile_inference_service, policy=args.policy,
+                                              keys=ReplicaKeys(check_seconds=args.resync_seconds),
+                                              operator_namespace=args.lease_namespace),
+        "Slice": functools.partial(reconcile_slice, policy=args.policy),
+    }
+    if args.policy.host_path_prefixes:
+        log.info("host paths allowed under: %s", ", ".join(args.policy.host_path_prefixes))
+    manager = Manager(
+        kube, reconcilers,
+        gang_pass=gang_pass if scheduler else None, namespaces=namespaces, workers=args.workers, resync_seconds=args.resync_seconds,
+        collector_period=args.collect_seconds,
+    )
+    elector = None
+    if args.no_leader_election:
+        manager.start_leading()
+    else:
+        def lost() -> None:
+            # Another replica may lead in a moment: stop at once rather than risk two writers.
+            log.critical("lost the leader Lease: exiting so that only the new leader acts")
+            os._exit(1)
+        elector = LeaderElector(
+            kube, ElectionConfig(args.lease_namespace, args.lease_name, args.identity, lease_seconds=args.lease_seconds,
+                                 renew_deadline=args.lease_seconds * 0.7, retry_period=args.lease_seconds * 0.2),
+            on_started=manager.start_leading, on_stopped=lost)
+        elector.start()
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    runtime.start()
-    if scheduler:
-        scheduler.start()
     try:
         kopf.run(
+            registry=registry(),
+            memo=kopf.Memo(manager=manager),
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
         )
     finally:
-        if scheduler:
-            scheduler.stop()
-        runtime.stop()
+        if elector is not None:
+            elector.stop(release=True)
+        manager.stop()
     return 0
 
 

@@ -6,12 +6,15 @@ reconciling the object until its spec changes.
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
+from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
 
 
 @dataclass(frozen=True)
@@ -56,25 +59,117 @@ def runs_bundled_server(image: str) -> bool:
 
 
 def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem]:
-    """The bundled server does not implement quantization or speculative decoding yet; without this check
-    its pods would crash-loop on the flags (another image may implement them)."""
+    """Quantizations the bundled server does not implement yet; without this check its pods would exit on the
+    flag (another image may implement them)."""
+    if not runs_bundled_server(spec.image) or spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
+        return []
+    return [Problem(
+        "NotInServingImage", "spec.engine.quantization",
+        f"the bundled serving image {spec.image} does not implement {spec.engine.quantization} quantization yet "
+        "(it implements int8); set quantization to int8 or none, or set spec.image to a server that accepts "
+        f"--quantization {spec.engine.quantization}")]
+
+
+# What the operator sets on `tokenfleet serve`'s command line (or its environment), by the parser's dest, and
+# the field to set instead: engine.extraArgs may add flags, never change these.
+OPERATOR_SERVE_FLAGS = {
+    "model": ("--model", "spec.model"),
+    "host": ("--host", "the operator (the Services and probes use 0.0.0.0:8000)"),
+    "port": ("--port", "the operator (the Services and probes use 0.0.0.0:8000)"),
+    "api_key": ("--api-key", "the operator (the replica key Secret, given as $TOKENFLEET_API_KEY)"),
+    "served_model_name": ("--served-model-name", "spec.model.servedModelNames"),
+    "dtype": ("--dtype", "spec.engine.dtype"),
+    "block_size": ("--block-size", "spec.engine.kvBlockSize"),
+    "max_num_seqs": ("--max-num-seqs", "spec.engine.maxNumSeqs"),
+    "max_model_len": ("--max-model-len", "spec.engine.maxModelLen"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "spec.engine.maxNumBatchedTokens"),
+    "no_prefix_caching": ("--no-prefix-caching", "spec.engine.enablePrefixCaching"),
+    "price_per_hour": ("--price-per-hour", "spec.price"),
+    "prefix_checkpoint_dir": ("--prefix-checkpoint-dir", "spec.warmRestart"),
+    "prefix_checkpoint_name": ("--prefix-checkpoint-name", "spec.warmRestart"),
+    "prefix_checkpoint_interval": ("--prefix-checkpoint-interval", "spec.slicePolicy.checkpoint.intervalSeconds"),
+    "prefix_checkpoint_max_mb": ("--prefix-checkpoint-max-mb", "spec.warmRestart.maxMegabytes"),
+}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _serve_namespace(argv: list[str]) -> argparse.Namespace | None:
+    """How `tokenfleet serve` reads argv (None when it would refuse it); no torch, no side effects."""
+    from tokenfleet_serving.server.main import build_parser
+
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise _Refused(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    try:
+        return parser.parse_args(argv)
+    except _Refused:
+        return None
+
+
+def _asks_for_help(token: str) -> bool:
+    """`-h`, `--help` or a prefix of it: argparse would print its help and exit 0, not refuse."""
+    flag = token.split("=", 1)[0]
+    return (flag.startswith("-h") and not flag.startswith("--")) or (len(flag) >= 3 and "--help".startswith(flag))
+
+
+def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """The serving command line, checked by the bundled server's own parser (``argument_error``): a name or an
+    extra flag it would exit 2 on, or an extra flag that would change what the operator sets, is a problem
+    here instead of a crash-looping pod."""
+    from tokenfleet_operator.builders.inference_service import engine_args, model_storage
+    from tokenfleet_serving.server.main import argument_error
+
     if not runs_bundled_server(spec.image):
         return []
-    problems = []
-    if spec.engine.quantization != "none":
-        problems.append(Problem(
-            "NotInServingImage", "spec.engine.quantization",
-            f"the bundled serving image {spec.image} does not implement {spec.engine.quantization} quantization yet; "
-            "set quantization to none, or set spec.image to a server that accepts --quantization"))
-    if spec.engine.speculative_decoding is not None:
-        problems.append(Problem(
-            "NotInServingImage", "spec.engine.speculativeDecoding",
-            f"the bundled serving image {spec.image} does not implement speculative decoding yet; remove "
-            "speculativeDecoding, or set spec.image to a server that accepts --speculative-method"))
-    return problems
+    model_dir = model_storage(spec)[2]
+    base = engine_args(spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": None})}),
+                       model_dir)[2:]
+    error = argument_error(base)
+    if error is not None:
+        field = "spec.model.servedModelNames" if "model name" in error else "spec.engine"
+        return [Problem("InvalidEngineArgs", field, f"the bundled server would refuse its command line: {error}")]
+    extra = list(spec.engine.extra_args or [])
+    if not extra:
+        return []
+    field = "spec.engine.extraArgs"
+    if any(_asks_for_help(token) for token in extra):
+        return [Problem("InvalidEngineArgs", field, "asks tokenfleet serve for its help: the server would print it "
+                                                    "and exit instead of serving")]
+    error = argument_error(base + extra)
+    if error is not None:
+        return [Problem("InvalidEngineArgs", field, f"the bundled server would refuse them: {error}")]
+    before, after = _serve_namespace(base), _serve_namespace(base + extra)
+    assert before is not None and after is not None, "argument_error accepted both"
+    for dest, (flag, owner) in OPERATOR_SERVE_FLAGS.items():
+        if getattr(before, dest, None) != getattr(after, dest, None):
+            return [Problem("InvalidEngineArgs", field, f"{flag} is set by {owner}; extraArgs may add flags, not "
+                                                        "change it")]
+    return []
 
 
-def check_inference_service(spec: InferenceServiceSpec) -> list[Problem]:
+def _store_host_path(store: str | None) -> str | None:
+    if store and store.startswith("hostpath://"):
+        return store[len("hostpath://"):]
+    return None
+
+
+def _host_path_problem(path: str | None, field: str, policy: OperatorPolicy) -> list[Problem]:
+    if path is None or policy.allows_host_path(path):
+        return []
+    allowed = ", ".join(policy.host_path_prefixes) or "none"
+    return [Problem(
+        "HostPathNotAllowed", field,
+        f"host path {path} is not below a prefix the operator may mount (allowed: {allowed}); a cluster "
+        "administrator allows host paths with the operator's --allow-host-path PREFIX; otherwise use a PVC")]
+
+
+def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS) -> list[Problem]:
     acc = spec.accelerator
     problems = _topology_problem(
         acc.topology, acc.hosts_per_replica, acc.count_per_host, "spec.accelerator.topology", "hostsPerReplica"
@@ -92,7 +187,18 @@ def check_inference_service(spec: InferenceServiceSpec) -> list[Problem]:
                 f"{spec_dec.num_speculative_tokens} speculative tokens do not fit a context of {spec.engine.max_model_len}",
             )
         )
-    return problems + _levers_the_bundled_server_lacks(spec)
+    if spec.model.host_path is not None:
+        problems += _host_path_problem(spec.model.host_path.path, "spec.model.hostPath.path", policy)
+    checkpoint = spec.slice_policy.checkpoint
+    problems += _host_path_problem(_store_host_path(checkpoint.store if checkpoint else None),
+                                   "spec.slicePolicy.checkpoint.store", policy)
+    if spec.warm_restart.enabled and not runs_bundled_server(spec.image):
+        problems.append(Problem(
+            "NotInServingImage", "spec.warmRestart.enabled",
+            f"warm restart is implemented by the bundled serving image ({BUNDLED_REPOSITORY}); {spec.image} may "
+            "not accept its --prefix-checkpoint-* flags: disable warmRestart or use the bundled image"))
+    lacking = _levers_the_bundled_server_lacks(spec)      # their flags would fail the argument check too
+    return problems + lacking + ([] if lacking else serve_argument_problems(spec))
 
 
 def _template_problems(template_spec: dict[str, Any]) -> list[Problem]:
@@ -108,7 +214,47 @@ def _template_problems(template_spec: dict[str, Any]) -> list[Problem]:
     return problems
 
 
-def check_slice(spec: SliceSpec) -> list[Problem]:
+def is_extended_resource(name: str) -> bool:
+    """Extended resources (nvidia.com/gpu, google.com/tpu, ...): what queues count and nodes advertise."""
+    return "/" in name and not name.startswith("kubernetes.io/") and not name.startswith("hugepages-")
+
+
+def _scheduling_problems(spec: SliceSpec) -> list[Problem]:
+    """A Slice with an accelerator is placed, and counted against its queue, by the gang scheduler only: its
+    template may not name a node or another scheduler, and may request no extended resource but its
+    accelerator (which the scheduler counts in every container and init container). A cpu Slice is neither
+    placed nor counted by it, so it may request no extended resource at all. (The schema refuses nodeName
+    and schedulerName already; this also catches objects stored before it did.)"""
+    pod_spec = spec.template.spec
+    gang = spec.accelerator.type != "cpu"
+    problems = []
+    if gang:
+        for key in ("nodeName", "schedulerName"):
+            if pod_spec.get(key):
+                problems.append(Problem(
+                    "SchedulerBypass", f"spec.template.spec.{key}",
+                    f"a Slice with an accelerator is placed by the gang scheduler within its queue's quota; remove "
+                    f"{key} from the template"))
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(pod_spec.get(kind) or []):
+            resources = (container.get("resources") or {}) if isinstance(container, dict) else {}
+            names = {n for part in ("requests", "limits") for n in (resources.get(part) or {}) if is_extended_resource(n)}
+            if gang:
+                names.discard(spec.accelerator.resource_name)
+            for name in sorted(names):
+                why = (f"the gang scheduler places and counts one resource per Slice, "
+                       f"spec.accelerator.resourceName ({spec.accelerator.resource_name}); {name} would be neither "
+                       "checked against the nodes nor counted against the queue" if gang else
+                       f"a Slice of type cpu is not counted against any queue; request {name} through "
+                       "spec.accelerator instead")
+                problems.append(Problem("UncountedResource", f"spec.template.spec.{kind}[{i}].resources", why))
+    return problems
+
+
+def check_slice(spec: SliceSpec, policy: OperatorPolicy = DENY_HOST_PATHS) -> list[Problem]:
     problems = _topology_problem(spec.topology, spec.hosts, spec.accelerator.count_per_host, "spec.topology", "hosts")
     problems += _template_problems(spec.template.spec)
+    problems += _scheduling_problems(spec)
+    problems += _host_path_problem(_store_host_path(spec.checkpoint.store if spec.checkpoint else None),
+                                   "spec.checkpoint.store", policy)
     return problems

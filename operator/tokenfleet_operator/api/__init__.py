@@ -4,7 +4,7 @@ These models are the single source of truth: ``tokenfleet crds`` renders the
 CustomResourceDefinitions in ``crds/`` from them, and the operator parses the
 objects it reads with them.
 """
-from tokenfleet_operator.api.common import GROUP, VERSION, API_VERSION, Condition
+from tokenfleet_operator.api.common import API_VERSION, GROUP, VERSION, Condition
 from tokenfleet_operator.api.inference_service import InferenceService, InferenceServiceSpec, InferenceServiceStatus
 from tokenfleet_operator.api.slice import Slice, SliceSpec, SliceStatus
 from tokenfleet_operator.api.slice_queue import SliceQueue, SliceQueueSpec, SliceQueueStatus

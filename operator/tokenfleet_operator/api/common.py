@@ -13,9 +13,10 @@ GROUP = "tokenfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# The regular expression Kubernetes uses for resource.Quantity strings.
+# Kubernetes' resource.Quantity strings without the minus sign: no resource can be negative, and a negative
+# request is refused by the API server only when the operator creates the pod (issue 19, defect 7).
 QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 # A DNS-1123 label (names of PVCs, queues, priority classes, ...).
@@ -29,11 +30,30 @@ RESOURCE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]*[
 
 Quantity = Annotated[
     int | str,
-    Field(json_schema_extra={"pattern": QUANTITY_PATTERN}),
+    Field(json_schema_extra={"pattern": QUANTITY_PATTERN, "minimum": 0, "maxLength": 64}),
 ]
 
+# One segment of a path that cannot climb out of where it is mounted: anything but "." and "..".
+PATH_SEGMENT = r"([^/.][^/]*|[.][^/.][^/]*|[.][.][^/]+)"
+# A path below a mount point, e.g. "llama-3/8b" (no "..", no leading "/").
+RELATIVE_PATH_PATTERN = rf"^{PATH_SEGMENT}(/{PATH_SEGMENT})*/?$"
+# An absolute path other than "/" without "..", e.g. "/data/models".
+ABSOLUTE_PATH_PATTERN = rf"^(/{PATH_SEGMENT})+/?$"
+# A container image reference: no whitespace anywhere (the API server refuses leading or trailing spaces only
+# when the pod is created).
+IMAGE_PATTERN = r"^\S+$"
+# A label value: at most 63 characters, alphanumerics at both ends, '-', '_' and '.' inside.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# Resource names a serving pod may request besides its accelerators.
+STANDARD_RESOURCE_PATTERN = r"^(cpu|memory|ephemeral-storage|hugepages-[0-9]+(\.[0-9]+)?[KMGTPE]?i?)$"
+# Resource names a container may request: the standard ones, or an extended resource with a domain.
+CONTAINER_RESOURCE_PATTERN = (
+    r"^(cpu|memory|ephemeral-storage|hugepages-[0-9]+(\.[0-9]+)?[KMGTPE]?i?|"
+    r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+)
 
-def rule(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+
+def rule(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, Any]:
     """One ``x-kubernetes-validations`` entry: a CEL rule checked by the API server."""
     out = {"rule": rule, "message": message}
     if field_path:
@@ -56,6 +76,11 @@ class ApiModel(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """The object as the API server stores it: camelCase, unset fields left out."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def with_rules(*rules: dict[str, Any]) -> ConfigDict:
+    """ApiModel's config plus CEL rules on the object itself (its ``x-kubernetes-validations``)."""
+    return ConfigDict(**ApiModel.model_config, json_schema_extra={"x-kubernetes-validations": list(rules)})
 
 
 class Condition(ApiModel):
@@ -109,7 +134,8 @@ class AcceleratorBase(ApiModel):
     )
     resource_name: str = Field(
         default="nvidia.com/gpu",
-        description="The extended resource each member pod requests countPerHost of, e.g. nvidia.com/gpu or google.com/tpu. Ignored when type is cpu.",
+        description="The extended resource each member pod requests countPerHost of, e.g. nvidia.com/gpu or google.com/tpu. "
+                    "Ignored when type is cpu.",
         max_length=253,
         pattern=RESOURCE_NAME_PATTERN,
     )
@@ -121,15 +147,56 @@ class AcceleratorBase(ApiModel):
     )
 
 
-class ResourceRequirements(ApiModel):
-    """CPU and memory (and any other resource) requests and limits for a container."""
+def _request_within_limit() -> dict[str, Any]:
+    """CEL: every request is at most its limit (the API server would refuse the pod otherwise)."""
+    def q(side: str) -> str:
+        return f"string(self.{side}[k])"
+    return rule(
+        "!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) || "
+        f"!isQuantity({q('requests')}) || !isQuantity({q('limits')}) || "
+        f"!quantity({q('requests')}).isGreaterThan(quantity({q('limits')})))",
+        "every request must be at most its limit (e.g. requests.memory <= limits.memory)",
+        field_path=".requests",
+    )
 
-    requests: dict[str, Quantity] | None = Field(
-        default=None, description="Minimum resources the container needs, e.g. {cpu: '4', memory: 32Gi}."
-    )
-    limits: dict[str, Quantity] | None = Field(
-        default=None, description="Maximum resources the container may use, e.g. {memory: 64Gi}."
-    )
+
+def _resource_map(description: str, key_pattern: str, key_message: str) -> Any:
+    return Field(default=None, description=description, json_schema_extra={
+        "maxProperties": 32,
+        "x-kubernetes-validations": [rule(f"self.all(k, k.matches(r'{key_pattern}'))", key_message)],
+    })
+
+
+class ResourceRequirements(ApiModel):
+    """CPU and memory requests and limits of a container the operator builds; accelerators come from
+    spec.accelerator, so no other resource may be named here."""
+
+    model_config = with_rules(_request_within_limit())
+
+    requests: dict[str, Quantity] | None = _resource_map(
+        "Minimum resources the container needs, e.g. {cpu: '4', memory: 32Gi}: cpu, memory, ephemeral-storage or "
+        "hugepages-<size>.", STANDARD_RESOURCE_PATTERN,
+        "resource names must be cpu, memory, ephemeral-storage or hugepages-<size>; accelerators come from "
+        "spec.accelerator")
+    limits: dict[str, Quantity] | None = _resource_map(
+        "Maximum resources the container may use, e.g. {memory: 64Gi}; at least the request.", STANDARD_RESOURCE_PATTERN,
+        "resource names must be cpu, memory, ephemeral-storage or hugepages-<size>; accelerators come from "
+        "spec.accelerator")
+
+
+class ContainerResources(ApiModel):
+    """Requests and limits of a container in a Slice's member template (core/v1 ResourceRequirements)."""
+
+    model_config = with_rules(_request_within_limit())
+
+    requests: dict[str, Quantity] | None = _resource_map(
+        "Minimum resources the container needs.", CONTAINER_RESOURCE_PATTERN,
+        "resource names must be cpu, memory, ephemeral-storage, hugepages-<size> or an extended resource such as "
+        "nvidia.com/gpu")
+    limits: dict[str, Quantity] | None = _resource_map(
+        "Maximum resources the container may use; at least the request.", CONTAINER_RESOURCE_PATTERN,
+        "resource names must be cpu, memory, ephemeral-storage, hugepages-<size> or an extended resource such as "
+        "nvidia.com/gpu")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,11 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from tokenfleet_operator.api.common import (
+    ABSOLUTE_PATH_PATTERN,
     DNS_LABEL_PATTERN,
+    IMAGE_PATTERN,
     LABEL_KEY_PATTERN,
+    RELATIVE_PATH_PATTERN,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
     ApiModel,
@@ -19,10 +22,14 @@ from tokenfleet_operator.api.common import (
     Resource,
     ResourceRequirements,
     rule,
+    with_rules,
 )
+from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
 
 DEFAULT_IMAGE = "tokenfleet/serving:0.1.0"
+# What `tokenfleet serve --served-model-name` accepts (tokenfleet_serving.server.main.SERVED_MODEL_NAME).
+SERVED_MODEL_NAME_PATTERN = r"^[^\s-]\S{0,127}$"
 
 
 def _defaulted(model: type[ApiModel], description: str):
@@ -39,39 +46,46 @@ class PvcSource(ApiModel):
     claim_name: str = Field(description="Name of the PVC in the InferenceService's namespace.", max_length=253, pattern=DNS_LABEL_PATTERN)
     sub_path: str | None = Field(
         default=None,
-        description="Directory inside the volume that holds the model (config.json, weights, tokenizer).",
+        description="Directory inside the volume that holds the model (config.json, weights, tokenizer); relative, "
+                    "without '..'.",
         max_length=1024,
-        pattern=r"^[^/].*$",
+        pattern=RELATIVE_PATH_PATTERN,
     )
 
 
 class HostPathSource(ApiModel):
-    """Model weights in a directory on every node, mounted read-only at /models."""
+    """Model weights in a directory on every node, mounted read-only at /models.
 
-    path: str = Field(description="Absolute directory on the node.", max_length=1024, pattern=r"^/.*$")
+    A host path reaches into the node, so the operator mounts one only under a prefix a cluster administrator
+    allowed (``tokenfleet operator --allow-host-path PREFIX``); otherwise the service is Ready=False with
+    reason HostPathNotAllowed."""
+
+    path: str = Field(
+        description="Absolute directory on the node, other than / and without '..'; it must lie under a prefix the "
+                    "operator was started with (--allow-host-path), else the service is not reconciled "
+                    "(reason HostPathNotAllowed).",
+        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN)
 
 
 class ModelSpec(ApiModel):
     """Where the weights come from and the names clients use for the model."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
-                    "exactly one of model.path, model.pvc or model.hostPath must be set",
-                ),
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
+            "exactly one of model.path, model.pvc or model.hostPath must be set",
+        ),
+    )
 
     path: str | None = Field(
-        default=None, description="Absolute directory of the model inside the serving image.", max_length=1024, pattern=r"^/.*$"
+        default=None, description="Absolute directory of the model inside the serving image, without '..'.",
+        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN,
     )
     pvc: PvcSource | None = Field(default=None, description="Load the model from a PersistentVolumeClaim.")
     host_path: HostPathSource | None = Field(default=None, description="Load the model from a directory on the node.")
-    served_model_names: list[Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s]+$")]] = Field(
-        description="Names clients pass as 'model' in OpenAI requests; the first one is shown by kubectl get.",
+    served_model_names: list[Annotated[str, Field(min_length=1, max_length=128, pattern=SERVED_MODEL_NAME_PATTERN)]] = Field(
+        description="Names clients pass as 'model' in OpenAI requests; the first one is shown by kubectl get. Each "
+                    "has 1-128 characters, no whitespace, and does not start with '-'.",
         min_length=1,
         max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "set"},
@@ -92,49 +106,71 @@ class AcceleratorSpec(AcceleratorBase):
     )
 
 
-class SpeculativeDecoding(ApiModel):
-    """Speculative decoding: propose several tokens cheaply and verify them in one step."""
+class DraftModelSource(ApiModel):
+    """Where the draft model's checkpoint comes from; it is mounted read-only at /draft-model."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "self.method != 'draft' || has(self.draftModel)",
-                    "method draft needs draftModel",
-                    field_path=".draftModel",
-                ),
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
+            "exactly one of draftModel.path, draftModel.pvc or draftModel.hostPath must be set",
+        ),
+    )
+
+    path: str | None = Field(
+        default=None, description="Absolute directory of the draft model inside the serving image.", max_length=1024,
+        pattern=r"^/.*$",
+    )
+    pvc: PvcSource | None = Field(
+        default=None, description="Load the draft model from a PersistentVolumeClaim (the model's own claim too, with "
+        "another subPath).",
+    )
+    host_path: HostPathSource | None = Field(default=None, description="Load the draft model from a directory on the node.")
+
+
+class SpeculativeDecoding(ApiModel):
+    """Speculative decoding: propose several tokens cheaply and verify them in one step. Output is exactly what
+    decoding without it gives (greedy token for token, sampling in distribution); the engine speculates only in
+    steps where it expects more tokens per second (small batches, drafts that hold)."""
+
+    model_config = with_rules(
+        rule(
+            "self.method != 'draft' || has(self.draftModel)",
+            "method draft needs draftModel",
+            field_path=".draftModel",
+        ),
+        rule(
+            "self.method != 'ngram' || !has(self.draftModel)",
+            "method ngram takes no draftModel",
+            field_path=".draftModel",
+        ),
+    )
 
     method: Literal["ngram", "draft"] = Field(
-        description="ngram proposes tokens by prompt lookup; draft runs the smaller draftModel."
+        description="ngram proposes the tokens that followed the longest earlier match of the request's last tokens "
+        "(prompt lookup: for answers that copy from the prompt); draft runs the smaller draftModel."
     )
-    num_speculative_tokens: int = Field(default=4, description="Tokens proposed per step.", ge=1, le=16)
-    draft_model: str | None = Field(
-        default=None, description="Directory of the draft model inside the serving container (method draft).", max_length=1024
+    num_speculative_tokens: int = Field(default=4, description="Tokens proposed per request and step, at most.", ge=1, le=16)
+    draft_model: DraftModelSource | None = Field(
+        default=None, description="The draft model (method draft): a Llama-family checkpoint with the served model's "
+        "tokenizer; it takes engine.quantization too.",
     )
 
 
 class EngineSpec(ApiModel):
     """Settings of the continuously batched engine."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
-                    "maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
-                    field_path=".maxNumBatchedTokens",
-                ),
-                rule(
-                    "self.quantization == 'none' || self.dtype != 'float32'",
-                    "quantized weights need dtype auto, float16 or bfloat16, not float32",
-                    field_path=".dtype",
-                ),
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+            "maxNumBatchedTokens must be at least maxNumSeqs (every running sequence needs a token per step)",
+            field_path=".maxNumBatchedTokens",
+        ),
+        rule(
+            "self.quantization in ['none', 'int8'] || self.dtype != 'float32'",
+            "quantized weights need dtype auto, float16 or bfloat16, not float32 (int8 takes any dtype)",
+            field_path=".dtype",
+        ),
+    )
 
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Activation and weight dtype; auto uses the model's own."
@@ -147,14 +183,28 @@ class EngineSpec(ApiModel):
         default=None, description="Token budget of one engine step (prefill chunks plus decodes).", ge=16, le=1048576
     )
     max_num_seqs: int = Field(default=256, description="Sequences running at once.", ge=1, le=4096)
+    kv_cache_mb: int | None = Field(
+        default=None, description="Memory for the KV cache of each replica, in MiB (tokenfleet serve --kv-cache-mb); "
+        "it bounds how many tokens of running requests and of cached prefixes a replica holds. Unset uses the "
+        "server's default (512).", ge=1, le=16777216,
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
     quantization: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
-        default="none", description="Weight quantization method."
+        default="none",
+        description="Weight quantization. int8: weight-only, one scale per output channel, quantized at load from the "
+        "bf16/fp16/fp32 checkpoint (the serving image computes in the faster of fp32 and bf16 on the host). fp8, awq "
+        "and gptq are not implemented by the bundled serving image yet (NotInServingImage); another image may.",
     )
     speculative_decoding: SpeculativeDecoding | None = Field(default=None, description="Unset disables speculative decoding.")
     extra_args: list[Annotated[str, Field(max_length=256)]] | None = Field(
         default=None,
-        description="Extra command-line flags appended to 'tokenfleet serve' verbatim.",
+        description=(
+            "Extra command-line flags appended to the server's command line verbatim. With the bundled "
+            "tokenfleet/serving image they are checked against 'tokenfleet serve' itself: an unknown flag, a bad "
+            "value, or a flag the operator sets from another field (--model, --host, --port, --api-key, "
+            "--served-model-name, --dtype, ...) makes the service Ready=False with reason InvalidEngineArgs "
+            "instead of crash-looping pods."
+        ),
         max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
@@ -183,18 +233,93 @@ class RoutingSpec(ApiModel):
     session_affinity: SessionAffinity = _defaulted(SessionAffinity, "Session affinity.")
     replicas: int = Field(default=1, description="Router pods.", ge=1, le=16)
     resources: ResourceRequirements | None = Field(default=None, description="Resources of each router pod.")
+    migration_limit: int = Field(
+        default=3, description="Times one streamed request may be moved to another replica when its replica fails "
+        "mid-stream (the router continues it there from the tokens already delivered); 0 turns stream migration "
+        "off. A stream that cannot be continued ends with an OpenAI error event.", ge=0, le=10,
+    )
+    no_replica_hold_seconds: int = Field(
+        default=30, description="Seconds a request that finds no ready replica (all of them failed or restarting at "
+        "once) waits at the router for one before it gets 503; a broken stream waits as long for a replica to "
+        "continue on. 0 answers 503 at once. With minReplicas 0, autoscaling.pendingTimeoutSeconds applies instead.",
+        ge=0, le=3600,
+    )
+
+
+class AuthSpec(ApiModel):
+    """Who may call the service: clients authenticate at the router with keys from a Secret."""
+
+    client_keys_secret_name: str = Field(
+        description=(
+            "Name of a Secret in the service's namespace that holds the client API keys. Each data key of the "
+            "Secret is a file of keys, one per line (blank lines and # comments are ignored); a request needs "
+            "'Authorization: Bearer <one of them>'. The router re-reads the Secret within a second of a change. "
+            "The router reaches the replicas with a key of its own (Secret <name>-replica-key, made by the "
+            "operator), which clients never see."
+        ),
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+    )
 
 
 class SloSpec(ApiModel):
-    """Latency objectives; goodput counts tokens served within them."""
+    """Latency objectives, measured at the router. A request meets them when its time to first token and its
+    time per output token are within the targets; goodput is the share of requests (and of tokens) that do."""
 
     time_to_first_token_ms: int | None = Field(
-        default=None, description="Target time to first token in milliseconds.", ge=1, le=600000
+        default=None, description="Target time to first token in milliseconds (arrival at the router to the first "
+        "token of a streamed response).", ge=1, le=600000
     )
     time_per_output_token_ms: int | None = Field(
         default=None, description="Target time per output token after the first, in milliseconds.", ge=1, le=60000
     )
-    percentile: Literal[50, 90, 95, 99] = Field(default=95, description="Percentile the targets apply to.")
+    percentile: float = Field(
+        default=95, description="The share of requests, in percent, that must meet the targets: status.goodput "
+        "reports the observed latencies at this percentile, and the autoscaler adds replicas while fewer than this "
+        "share of requests meet them. In (0, 100].", gt=0, le=100,
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """The built-in autoscaler, on when maxReplicas is set: it runs between minReplicas and maxReplicas replicas
+    and reports the count it runs in status.desiredReplicas (spec.replicas is then only the starting count; it is
+    never written). For an HPA or KEDA, leave maxReplicas unset and let them scale spec.replicas through the scale
+    subresource instead."""
+
+    target_requests_per_replica: float = Field(
+        default=8, description="Waiting plus running requests per ready replica that the autoscaler aims for.",
+        gt=0, le=100000,
+    )
+    target_kv_cache_usage: float = Field(
+        default=0.8, description="Mean KV-cache usage of the ready replicas (0..1) that the autoscaler aims for.",
+        gt=0, le=1,
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0, description="A scale-up takes the lowest recommendation of this window (0: at once).", ge=0, le=3600
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=120, description="A scale-down takes the highest recommendation of this window, and waits until the "
+        "autoscaler has watched for that long.", ge=0, le=3600
+    )
+    max_scale_up_replicas: int = Field(default=4, description="Replicas added in one step at most.", ge=1, le=1000)
+    max_scale_down_replicas: int = Field(default=1, description="Replicas removed in one step at most.", ge=1, le=1000)
+    scale_to_zero_after_seconds: int = Field(
+        default=300, description="With minReplicas 0: seconds without a request after which the service scales to "
+        "zero. The router then holds new requests while a replica comes up.", ge=1, le=86400
+    )
+    max_pending_requests: int = Field(
+        default=64, description="With minReplicas 0: requests the router holds while no replica is ready; more get "
+        "503 with Retry-After.", ge=1, le=100000
+    )
+    pending_timeout_seconds: int = Field(
+        default=300, description="With minReplicas 0: seconds a held request waits for a replica before it gets 503 "
+        "with Retry-After.", ge=1, le=3600
+    )
+    drain_timeout_seconds: int = Field(
+        default=60, description="A replica chosen for removal (by the autoscaler or a lower spec.replicas) first gets "
+        "no new requests; it is deleted once its open requests finished, or after this many seconds.", ge=0, le=3600
+    )
 
 
 class PriceSpec(ApiModel):
@@ -222,6 +347,21 @@ class SlicePolicy(ApiModel):
     checkpoint: CheckpointSpec | None = Field(default=None, description="Warm-restart checkpoint settings of each replica.")
 
 
+class WarmRestartSpec(ApiModel):
+    """Warm restart from a prefix-cache checkpoint. Every replica saves its hottest prefix-cache blocks (token ids,
+    chained block hashes and KV tensors, tied to the model's config hash, revision and dtype) to
+    slicePolicy.checkpoint.store, every slicePolicy.checkpoint.intervalSeconds and when it drains; a replacement
+    loads them before it turns ready, so prompts sharing a cached prefix hit at once. A checkpoint written by
+    another model, revision or dtype is refused, and a corrupt one ignored: the replica then starts cold and its
+    log says why."""
+
+    enabled: bool = Field(default=False, description="Whether replicas save and load prefix-cache checkpoints.")
+    max_megabytes: int = Field(
+        default=256, description="Most megabytes of KV blocks one replica's checkpoint holds, hottest first.",
+        ge=1, le=1048576,
+    )
+
+
 class RolloutSpec(ApiModel):
     """How a spec change rolls over the replicas."""
 
@@ -233,38 +373,60 @@ class RolloutSpec(ApiModel):
 class InferenceServiceSpec(ApiModel):
     """Desired state of an InferenceService."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
-                    "minReplicas must not exceed maxReplicas",
-                    field_path=".minReplicas",
-                ),
-                rule(
-                    "!has(self.minReplicas) || self.replicas >= self.minReplicas",
-                    "replicas must be at least minReplicas",
-                    field_path=".replicas",
-                ),
-                rule(
-                    "!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
-                    "replicas must not exceed maxReplicas",
-                    field_path=".replicas",
-                ),
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "minReplicas must not exceed maxReplicas",
+            field_path=".minReplicas",
+        ),
+        rule(
+            "!has(self.minReplicas) || self.replicas >= self.minReplicas",
+            "replicas must be at least minReplicas",
+            field_path=".replicas",
+        ),
+        rule(
+            "!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            "replicas must not exceed maxReplicas",
+            field_path=".replicas",
+        ),
+        rule(
+            "!self.warmRestart.enabled || has(self.slicePolicy.checkpoint)",
+            "warmRestart needs slicePolicy.checkpoint.store: the replicas save their prefix cache there",
+            field_path=".warmRestart.enabled",
+        ),
+        rule(
+            "!self.warmRestart.enabled || !has(self.slicePolicy.checkpoint) || "
+            "self.slicePolicy.checkpoint.store.matches('^(pvc|hostpath|file)://')",
+            "warmRestart saves to a file system: slicePolicy.checkpoint.store must be pvc://, hostpath:// or file:// "
+            "(s3:// and gs:// are not supported for it)",
+            field_path=".slicePolicy.checkpoint.store",
+        ),
+        rule(
+            "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
+            "warmRestart restores the prefix cache: engine.enablePrefixCaching must be true",
+            field_path=".engine.enablePrefixCaching",
+        ),
+    )
 
     model: ModelSpec = Field(description="The model to serve.")
     replicas: int = Field(default=1, description="Serving replicas; each replica is one Slice.", ge=0, le=1000)
-    min_replicas: int | None = Field(default=None, description="Lower bound for autoscaling.", ge=0, le=1000)
-    max_replicas: int | None = Field(default=None, description="Upper bound for autoscaling.", ge=1, le=1000)
+    min_replicas: int | None = Field(
+        default=None, description="Lower bound for the built-in autoscaler (default 1; 0 scales to zero when idle).",
+        ge=0, le=1000,
+    )
+    max_replicas: int | None = Field(
+        default=None, description="Upper bound for the built-in autoscaler; setting it turns the autoscaler on "
+        "(spec.autoscaling).", ge=1, le=1000,
+    )
+    autoscaling: AutoscalingSpec = _defaulted(AutoscalingSpec, "Targets and pace of the built-in autoscaler, and the "
+                                              "drain before any scale-down.")
     accelerator: AcceleratorSpec = Field(description="Accelerators of one replica.")
     engine: EngineSpec = _defaulted(EngineSpec, "Engine settings.")
     routing: RoutingSpec = _defaulted(RoutingSpec, "Routing policy and the router Deployment.")
     slo: SloSpec = _defaulted(SloSpec, "Latency objectives.")
     price: PriceSpec = _defaulted(PriceSpec, "Prices used for cost reporting.")
-    image: str = Field(default=DEFAULT_IMAGE, description="Serving image; the router runs from it too.", min_length=1, max_length=512)
+    image: str = Field(default=DEFAULT_IMAGE, description="Serving image, without whitespace; the router runs from it too.",
+                       min_length=1, max_length=512, pattern=IMAGE_PATTERN)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the serving and router containers."
     )
@@ -273,6 +435,13 @@ class InferenceServiceSpec(ApiModel):
     )
     slice_policy: SlicePolicy = _defaulted(SlicePolicy, "Placement and restart policy of each replica's Slice.")
     rollout: RolloutSpec = _defaulted(RolloutSpec, "How spec changes roll over the replicas.")
+    auth: AuthSpec | None = Field(
+        default=None,
+        description="Client authentication at the router. Unset: the router lets every client in (the replicas "
+                    "still take requests only from the router).",
+    )
+    warm_restart: WarmRestartSpec = _defaulted(WarmRestartSpec, "Warm restart of replicas from a prefix-cache "
+                                               "checkpoint in slicePolicy.checkpoint.store.")
 
 
 class SliceSummary(ApiModel):
@@ -284,27 +453,74 @@ class SliceSummary(ApiModel):
     updated: bool = Field(default=False, description="Whether the Slice runs the current spec.")
 
 
+class CapacityStatus(ApiModel):
+    """The cheapest cost per token the service has shown it can serve within its SLO."""
+
+    tokens_per_hour_per_replica: float = Field(
+        description="The highest output tokens per hour per ready replica over a minute in which the SLO was met.",
+        ge=0,
+    )
+    cost_per_million_tokens: float = Field(
+        description="Price of one replica per hour / tokensPerHourPerReplica * 1e6: what a token costs when the "
+        "service runs at that load.", ge=0,
+    )
+    measured_at: str = Field(description="When that minute ended (RFC 3339).", json_schema_extra={"format": "date-time"})
+
+
 class CostStatus(ApiModel):
-    """Cost of the service at its current size."""
+    """What the service costs: the price of its replicas over the tokens it delivered (accelerator $/h / tokens/h)."""
 
     dollars_per_hour: float | None = Field(
         default=None, description="Replicas * (accelerators per replica * acceleratorPerHour + overheadPerHour), in price.currency."
     )
+    window: str | None = Field(default=None, description="The window tokensPerHour and costPerMillionTokens are measured over.")
     tokens_per_hour: float | None = Field(
         default=None,
-        description="Output tokens per hour of the ready replicas, at the rate they measured over their last minute "
-        "(tokenfleet:output_tokens_per_second on each replica's /metrics).",
+        description="Output tokens per hour the router delivered over the window "
+        "(tokenfleet_router_output_tokens_total).",
     )
     cost_per_million_tokens: float | None = Field(
-        default=None, description="dollarsPerHour / tokensPerHour * 1e6; absent while no tokens are being served."
+        default=None, description="Mean dollarsPerHour over the window / tokensPerHour * 1e6; absent while fewer than "
+        "minTokens tokens flowed in the window (an idle service has no cost per token, not an infinite one).",
     )
+    min_tokens: int | None = Field(default=None, description="Tokens the window needs before costPerMillionTokens is shown.")
+    capacity: CapacityStatus | None = Field(default=None, description="The cost per token at the highest load that still met the SLO.")
 
 
 class GoodputStatus(ApiModel):
-    """Share of served tokens that met the SLOs."""
+    """How much of the traffic met spec.slo, measured at the router over a window."""
 
-    ratio: float | None = Field(default=None, description="Tokens served within SLO over all tokens served.", ge=0, le=1)
-    window: str | None = Field(default=None, description="Window the ratio is measured over, e.g. 1h.")
+    window: str | None = Field(default=None, description="The window, e.g. 5m.")
+    requests: int | None = Field(default=None, description="Requests finished in the window.", ge=0)
+    request_ratio: float | None = Field(default=None, description="Share of those requests that met the SLO.", ge=0, le=1)
+    token_ratio: float | None = Field(
+        default=None, description="Share of their output tokens that belong to requests that met the SLO.", ge=0, le=1
+    )
+    percentile: float | None = Field(default=None, description="spec.slo.percentile.")
+    time_to_first_token_seconds: float | None = Field(default=None, description="Observed time to first token at that percentile.")
+    time_per_output_token_seconds: float | None = Field(default=None, description="Observed time per output token at that percentile.")
+    met: bool | None = Field(default=None, description="Whether at least percentile percent of the requests met the SLO.")
+
+
+class DrainingReplica(ApiModel):
+    """A replica being removed: it gets no new requests and is deleted once its open requests finished."""
+
+    name: str = Field(description="The replica's Slice.")
+    since: str = Field(description="When its drain started (RFC 3339).", json_schema_extra={"format": "date-time"})
+
+
+class AutoscalingStatus(ApiModel):
+    """What the built-in autoscaler decided last, and what it saw."""
+
+    reason: str | None = Field(default=None, description="Why it chose status.desiredReplicas, e.g. RequestsPerReplica.")
+    message: str | None = Field(default=None, description="The signal and its target, in words.")
+    last_scale_time: str | None = Field(default=None, description="When the replica count last changed (RFC 3339).")
+    requests_per_replica: float | None = Field(default=None, description="Waiting + running requests per ready replica.")
+    kv_cache_usage: float | None = Field(default=None, description="Mean KV-cache usage of the ready replicas.")
+    pending_requests: int | None = Field(default=None, description="Requests the router holds because no replica is ready.")
+    last_cold_start_seconds: float | None = Field(
+        default=None, description="Mean arrival-to-first-token of the requests that last found no replica ready."
+    )
 
 
 class InferenceServiceStatus(ApiModel):
@@ -320,11 +536,25 @@ class InferenceServiceStatus(ApiModel):
         description="The replicas' Slices.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
-    cost: CostStatus | None = Field(default=None, description="Cost at the current size.")
-    goodput: GoodputStatus | None = Field(default=None, description="SLO goodput (filled from metrics).")
+    desired_replicas: int | None = Field(
+        default=None, description="The replica count the operator converges to: spec.replicas, or the built-in "
+        "autoscaler's choice between minReplicas and maxReplicas.", ge=0,
+    )
+    draining: list[DrainingReplica] | None = Field(
+        default=None, description="Replicas being drained before they are removed.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The built-in autoscaler's last decision.")
+    cost: CostStatus | None = Field(default=None, description="Cost at the current size, and per token.")
+    goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
-        default=None, description="Ready, SlicesReady, RouterReady and Degraded, each with a reason and a message."
+        default=None,
+        description=(
+            "Ready, SlicesReady, RouterReady and Degraded, plus kstatus' Reconciling (the operator works toward the "
+            "spec) and Stalled (only a new spec or a person helps), each with a reason and a message; with the "
+            "autoscaler also ScalingLimited."
+        ),
     )
 
 
@@ -344,15 +574,15 @@ class InferenceService(Resource):
         printer_columns=(
             PrinterColumn("Model", "string", ".spec.model.servedModelNames[0]", "First served model name"),
             PrinterColumn("Accelerator", "string", ".spec.accelerator.type", "Accelerator type"),
-            PrinterColumn("Desired", "integer", ".spec.replicas", "Desired replicas"),
+            PrinterColumn("Desired", "integer", ".status.desiredReplicas", "Replicas the operator converges to"),
             PrinterColumn("Ready", "integer", ".status.readyReplicas", "Ready replicas"),
             PrinterColumn("Up-to-date", "integer", ".status.updatedReplicas", "Replicas running the current spec"),
             PrinterColumn("$/h", "number", ".status.cost.dollarsPerHour", "Cost per hour at the current size"),
             PrinterColumn("$/MTok", "number", ".status.cost.costPerMillionTokens", "Cost per million tokens"),
+            PrinterColumn("Goodput", "number", ".status.goodput.requestRatio", "Share of requests within the SLO"),
             PrinterColumn("Reason", "string", '.status.conditions[?(@.type=="Ready")].reason', "Reason of the Ready condition"),
             PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
             PrinterColumn("URL", "string", ".status.url", "Router URL", priority=1),
-            PrinterColumn("Goodput", "number", ".status.goodput.ratio", "Share of tokens within SLO", priority=1),
             PrinterColumn("Topology", "string", ".spec.accelerator.topology", "Topology of one replica", priority=1),
         ),
         scale=True,

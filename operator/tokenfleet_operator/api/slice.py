@@ -3,13 +3,15 @@ restarted as one unit, like a multi-host TPU slice.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
 from tokenfleet_operator.api.common import (
     DNS_LABEL_PATTERN,
     LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
+    PATH_SEGMENT,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
     ApiModel,
@@ -18,19 +20,42 @@ from tokenfleet_operator.api.common import (
     PrinterColumn,
     Resource,
     rule,
+    with_rules,
 )
+from tokenfleet_operator.api.pod_template import member_pod_spec_schema
 
 SlicePhase = Literal["Pending", "Admitted", "Placing", "Ready", "Degraded", "Restarting", "Failed", "Succeeded"]
 SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined]
 
 DEFAULT_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
 
+# pvc://CLAIM[/PATH], hostpath:///PATH, file:///PATH, s3://BUCKET[/KEY], gs://BUCKET[/KEY]; no ".." segments,
+# no host or file path that is "/" itself.
+STORE_PATTERN = (
+    rf"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/{PATH_SEGMENT})*/?|(hostpath|file)://(/{PATH_SEGMENT})+/?|"
+    r"(s3|gs)://[a-z0-9][-a-z0-9._]*[a-z0-9](/\S*)?)$"
+)
+
+
+def _keys_are_label_keys(what: str) -> dict[str, Any]:
+    return {
+        "maxProperties": 64,
+        "x-kubernetes-validations": [rule(f"self.all(k, size(k) <= 317 && k.matches(r'{LABEL_KEY_PATTERN}'))",
+                                          f"{what} keys must be label keys such as app or example.com/team")],
+    }
+
 
 class MemberTemplateMetadata(ApiModel):
     """Labels and annotations copied onto every member pod."""
 
-    labels: dict[str, str] | None = Field(default=None, description="Labels added to every member pod.")
-    annotations: dict[str, str] | None = Field(default=None, description="Annotations added to every member pod.")
+    labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] | None = Field(
+        default=None,
+        description="Labels added to every member pod; values have at most 63 characters: alphanumerics at both "
+                    "ends, '-', '_' and '.' inside.",
+        json_schema_extra=_keys_are_label_keys("label"),
+    )
+    annotations: dict[str, str] | None = Field(default=None, description="Annotations added to every member pod.",
+                                               json_schema_extra=_keys_are_label_keys("annotation"))
 
 
 class MemberTemplate(ApiModel):
@@ -41,9 +66,12 @@ class MemberTemplate(ApiModel):
         description=(
             "A core/v1 PodSpec. It needs at least one container; the first container is the main one and gets the "
             "accelerator request and the TOKENFLEET_* environment variables. restartPolicy is forced to Never: a "
-            "member that exits restarts the whole slice."
+            "member that exits restarts the whole slice. The fields the operator relies on (containers' names, "
+            "images and resources, nodeName, schedulerName, serviceAccountName) are checked here; the rest is "
+            "checked by the API server when the member pods are created, and a refusal shows in the Ready "
+            "condition and as a Warning Event."
         ),
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        json_schema_extra=member_pod_spec_schema(),
     )
 
 
@@ -51,9 +79,13 @@ class CheckpointSpec(ApiModel):
     """Where and how often the slice saves the state it restarts from."""
 
     store: str = Field(
-        description="Checkpoint location as a URI: pvc://CLAIM/PATH, hostpath:///PATH, file:///PATH, s3://BUCKET/PATH or gs://BUCKET/PATH.",
+        description=(
+            "Checkpoint location as a URI: pvc://CLAIM/PATH, hostpath:///PATH, file:///PATH, s3://BUCKET/PATH or "
+            "gs://BUCKET/PATH. Paths have no '..' segment; hostpath:// needs the operator's --allow-host-path "
+            "(a cluster administrator's opt-in) to cover PATH."
+        ),
         max_length=1024,
-        pattern=r"^(pvc|hostpath|file|s3|gs)://.+$",
+        pattern=STORE_PATTERN,
     )
     interval_seconds: int = Field(
         default=600, description="Seconds between checkpoints taken by the workload.", ge=30, le=86400
@@ -70,17 +102,13 @@ class CheckpointSpec(ApiModel):
 class RestartPolicy(ApiModel):
     """How the whole gang is restarted when a member fails: a budget and an exponential backoff."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "self.backoffSeconds <= self.maxBackoffSeconds",
-                    "backoffSeconds must not exceed maxBackoffSeconds",
-                    field_path=".backoffSeconds",
-                )
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "self.backoffSeconds <= self.maxBackoffSeconds",
+            "backoffSeconds must not exceed maxBackoffSeconds",
+            field_path=".backoffSeconds",
+        ),
+    )
 
     max_restarts: int = Field(
         default=3,
@@ -100,17 +128,25 @@ class RestartPolicy(ApiModel):
 class SliceSpec(ApiModel):
     """Desired state of a Slice."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule(
-                    "self.role != 'batch' || has(self.checkpoint)",
-                    "a batch slice needs checkpoint.store to resume from after a gang restart",
-                    field_path=".checkpoint",
-                ),
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule(
+            "self.role != 'batch' || has(self.checkpoint)",
+            "a batch slice needs checkpoint.store to resume from after a gang restart",
+            field_path=".checkpoint",
+        ),
+        # The gang scheduler places every member of a Slice with an accelerator, within its queue's quota; a
+        # template that names a node or another scheduler would bypass both.
+        rule(
+            "self.accelerator.type == 'cpu' || !has(self.template.spec.nodeName)",
+            "a Slice with an accelerator is placed by the gang scheduler: its template must not set nodeName",
+            field_path=".template.spec.nodeName",
+        ),
+        rule(
+            "self.accelerator.type == 'cpu' || !has(self.template.spec.schedulerName)",
+            "a Slice with an accelerator is placed by the gang scheduler: its template must not set schedulerName",
+            field_path=".template.spec.schedulerName",
+        ),
+    )
 
     accelerator: AcceleratorBase = Field(description="The accelerator each member (host) carries.")
     hosts: int = Field(default=1, description="Number of hosts, one member pod each.", ge=1, le=256)
@@ -216,7 +252,8 @@ class SliceStatus(ApiModel):
         default="Pending",
         description=(
             "Pending: waiting for admission (member pods exist but none is bound). Admitted: a placement was found and "
-            "the members are being bound. Placing: every member is bound, not all ready. Ready: every member ready. Degraded: was Ready, a member is not ready. Restarting: the "
+            "the members are being bound. Placing: every member is bound, not all ready. Ready: every member ready. "
+            "Degraded: was Ready, a member is not ready. Restarting: the "
             "gang was torn down after a failure and waits for backoff. Failed: restart budget exhausted or invalid spec. "
             "Succeeded: a batch slice whose members all exited successfully (condition Complete)."
         ),
@@ -239,7 +276,11 @@ class SliceStatus(ApiModel):
     checkpoint: CheckpointStatus | None = Field(default=None, description="Checkpoint bookkeeping.")
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
-        default=None, description="Admitted, Placed, Ready and Failed, each with a reason and a message."
+        default=None,
+        description=(
+            "Admitted, Placed, Ready and Failed (batch Slices also Complete), plus kstatus' Reconciling (the operator "
+            "works toward the spec) and Stalled (only a new spec helps), each with a reason and a message."
+        ),
     )
 
 

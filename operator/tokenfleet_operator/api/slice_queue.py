@@ -13,14 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from tokenfleet_operator.api.common import (
-    RESOURCE_NAME_PATTERN,
-    ApiModel,
-    CrdInfo,
-    PrinterColumn,
-    Resource,
-    rule,
-)
+from tokenfleet_operator.api.common import RESOURCE_NAME_PATTERN, ApiModel, Conditions, CrdInfo, PrinterColumn, Resource, rule, with_rules
 
 DEFAULT_QUEUE = "default"
 
@@ -30,13 +23,9 @@ QuotaCount = Annotated[int, Field(ge=0, le=10_000_000)]
 class RequeuePolicy(ApiModel):
     """How long a Slice that timed out waiting for admission is held back before it queues again."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                rule("self.baseSeconds <= self.maxSeconds", "baseSeconds must not exceed maxSeconds", field_path=".baseSeconds")
-            ]
-        }
-    }
+    model_config = with_rules(
+        rule("self.baseSeconds <= self.maxSeconds", "baseSeconds must not exceed maxSeconds", field_path=".baseSeconds"),
+    )
 
     base_seconds: int = Field(
         default=60, description="Hold-back after the first timeout; it doubles with every further timeout.", ge=1, le=86400
@@ -95,6 +84,14 @@ class SliceQueueStatus(ApiModel):
     pending_slices: int = Field(default=0, description="Slices of this queue waiting for admission.", ge=0)
     admitted_slices: int = Field(default=0, description="Slices of this queue whose members are bound.", ge=0)
     usage: dict[str, int] | None = Field(default=None, description="Accelerators held by admitted Slices, per resource.")
+    observed_generation: int | None = Field(default=None, description="The metadata.generation last read by the gang scheduler.")
+    conditions: Conditions | None = Field(
+        default=None,
+        description=(
+            "Ready (the spec is in force) and Stalled (the spec cannot be used: its Slices wait with QueueInvalid "
+            "until it is fixed), each with a reason and a message."
+        ),
+    )
 
 
 class SliceQueue(Resource):

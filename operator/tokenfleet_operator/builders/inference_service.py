@@ -16,6 +16,17 @@ from typing import Any
 
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.builders.auth import (
+    NO_WIRING,
+    Wiring,
+    client_keys_args,
+    client_keys_mount,
+    client_keys_volume,
+    key_annotations,
+    replica_key_env,
+    replicas_network_policy,
+)
+from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
 from tokenfleet_operator.naming import (
     LEADER_LABEL,
     MANAGED_BY,
@@ -33,8 +44,18 @@ from tokenfleet_operator.naming import (
     router_name,
     slice_name,
 )
+from tokenfleet_serving.contract.router_files import (
+    Endpoint,
+    RouterConfig,
+    ScaleFromZero,
+    SessionAffinity,
+    Slo,
+    endpoints_json,
+    router_config_json,
+)
 
 MODEL_MOUNT = "/models"
+DRAFT_MODEL_MOUNT = "/draft-model"
 ROUTER_CONFIG_MOUNT = "/etc/tokenfleet"
 ROUTER_CONFIG_KEY = "router.json"
 ENDPOINTS_KEY = "endpoints.json"
@@ -70,17 +91,44 @@ def model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], s
     return [], [], model.path
 
 
+def draft_model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], str | None]:
+    """(volumes, volumeMounts, draft model directory inside the container) for a draft model (method draft);
+    a draft on the model's own claim mounts that claim's volume a second time, at another subPath."""
+    sd = spec.engine.speculative_decoding
+    source = sd.draft_model if sd is not None else None
+    if source is None:
+        return [], [], None
+    if source.path is not None:
+        return [], [], source.path
+    mount: dict[str, Any] = {"name": "draft-model", "mountPath": DRAFT_MODEL_MOUNT, "readOnly": True}
+    if source.pvc is not None:
+        if spec.model.pvc is not None and spec.model.pvc.claim_name == source.pvc.claim_name:
+            mount["name"] = "model"                         # the model's volume: a claim is mounted once per pod
+            volumes = []
+        else:
+            volumes = [{"name": "draft-model",
+                        "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}]
+        if source.pvc.sub_path:
+            mount["subPath"] = source.pvc.sub_path.strip("/")
+        return volumes, [mount], DRAFT_MODEL_MOUNT
+    assert source.host_path is not None, "the schema requires exactly one draft model source"
+    return [{"name": "draft-model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}], [mount], \
+        DRAFT_MODEL_MOUNT
+
+
 def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
     """Command line of the serving container: 'tokenfleet serve' plus the engine flags."""
     eng = spec.engine
     args = ["tokenfleet", "serve", "--model", model_dir, "--host", "0.0.0.0", "--port", str(SERVING_PORT)]
     for name in spec.model.served_model_names:
-        args += ["--served-model-name", name]
+        args.append(f"--served-model-name={name}")     # one token: a name can never be read as a flag
     args += ["--dtype", eng.dtype, "--block-size", str(eng.kv_block_size), "--max-num-seqs", str(eng.max_num_seqs)]
     if eng.max_model_len is not None:
         args += ["--max-model-len", str(eng.max_model_len)]
     if eng.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+    if eng.kv_cache_mb is not None:
+        args += ["--kv-cache-mb", str(eng.kv_cache_mb)]
     if not eng.enable_prefix_caching:
         args.append("--no-prefix-caching")
     if eng.quantization != "none":
@@ -88,20 +136,38 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
     if eng.speculative_decoding is not None:
         sd = eng.speculative_decoding
         args += ["--speculative-method", sd.method, "--num-speculative-tokens", str(sd.num_speculative_tokens)]
-        if sd.draft_model:
-            args += ["--speculative-draft-model", sd.draft_model]
+        draft_dir = draft_model_storage(spec)[2]
+        if draft_dir:
+            args += ["--speculative-draft-model", draft_dir]
     per_replica = hourly_cost(spec, 1)
     if per_replica > 0:
         args += ["--price-per-hour", f"{per_replica:g}"]
+    args += warm_restart_args(spec)
     args += list(eng.extra_args or [])
     return args
+
+
+PREFIX_CHECKPOINT_SUBDIR = "prefix-cache"
+
+
+def warm_restart_args(spec: InferenceServiceSpec) -> list[str]:
+    """The server's prefix-checkpoint flags: the Slice mounts the store and sets TOKENFLEET_CHECKPOINT_DIR
+    (``builders/slice_pods.py``); each member saves under its Slice's name and index, so a replacement of a
+    replica loads its predecessor's blocks. The kubelet expands the $(VAR) references."""
+    checkpoint = spec.slice_policy.checkpoint
+    if not spec.warm_restart.enabled or checkpoint is None:
+        return []
+    return ["--prefix-checkpoint-dir", f"$(TOKENFLEET_CHECKPOINT_DIR)/{PREFIX_CHECKPOINT_SUBDIR}",
+            "--prefix-checkpoint-name", "$(TOKENFLEET_SLICE)-$(TOKENFLEET_MEMBER_INDEX)",
+            "--prefix-checkpoint-interval", str(checkpoint.interval_seconds),
+            "--prefix-checkpoint-max-mb", str(spec.warm_restart.max_megabytes)]
 
 
 def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
 
 
-def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict]) -> dict[str, Any]:
+def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
@@ -112,26 +178,32 @@ def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[d
         "startupProbe": _http_probe("/health", "http", 5, 360),
         "livenessProbe": _http_probe("/health", "http", 10, 3),
         "readinessProbe": _http_probe("/ready", "http", 5, 3),
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "env": [replica_key_env(service)],       # the router's key, from the service's Secret
     }
     resources = spec.resources.to_wire()
     if resources:
         container["resources"] = resources
     if mounts:
         container["volumeMounts"] = mounts
-    return container
+    return harden_container(container)
 
 
-def slice_spec(service: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIRING) -> dict[str, Any]:
     """The Slice spec of every replica (identical across replicas)."""
     volumes, mounts, model_dir = model_storage(spec)
+    draft_volumes, draft_mounts, _ = draft_model_storage(spec)
+    volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
     pod_spec: dict[str, Any] = {
-        "containers": [serving_container(spec, model_dir, mounts)],
+        "containers": [serving_container(spec, model_dir, mounts, service)],
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
     }
     if volumes:
         pod_spec["volumes"] = volumes
+    harden_pod_spec(pod_spec)
+    template_meta: dict[str, Any] = {"labels": common_labels(service)}
+    if key_annotations(wiring):
+        template_meta["annotations"] = key_annotations(wiring)
     policy = spec.slice_policy
     out: dict[str, Any] = {
         "accelerator": {
@@ -144,7 +216,7 @@ def slice_spec(service: str, spec: InferenceServiceSpec) -> dict[str, Any]:
         "priority": policy.priority,
         "queue": policy.queue,
         "role": "serve",
-        "template": {"metadata": {"labels": common_labels(service)}, "spec": pod_spec},
+        "template": {"metadata": template_meta, "spec": pod_spec},
         "restartPolicy": policy.restart_policy.to_wire(),
     }
     if spec.accelerator.topology:
@@ -154,13 +226,13 @@ def slice_spec(service: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     return out
 
 
-def slice_revision(service: str, spec: InferenceServiceSpec) -> str:
-    return revision_of(slice_spec(service, spec))
+def slice_revision(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIRING) -> str:
+    return revision_of(slice_spec(service, spec, wiring))
 
 
-def slice_manifest(owner: dict[str, Any], spec: InferenceServiceSpec, index: int) -> dict[str, Any]:
+def slice_manifest(owner: dict[str, Any], spec: InferenceServiceSpec, index: int, wiring: Wiring = NO_WIRING) -> dict[str, Any]:
     name = owner["metadata"]["name"]
-    body = slice_spec(name, spec)
+    body = slice_spec(name, spec, wiring)
     labels = common_labels(name) | {REPLICA_LABEL: str(index), REVISION_LABEL: revision_of(body)}
     return {
         "apiVersion": API_VERSION,
@@ -171,27 +243,25 @@ def slice_manifest(owner: dict[str, Any], spec: InferenceServiceSpec, index: int
 
 
 def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
-    """What the router needs to know: how to choose a replica (the replicas themselves are in endpoints.json)."""
-    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    routing = spec.routing
+    """router.json (``contract.router_files``): how to choose a replica (the replicas are in endpoints.json)."""
+    routing, affinity = spec.routing, spec.routing.session_affinity
     _, _, model_dir = model_storage(spec)
-    return {
-        "service": name,
-        "namespace": namespace,
-        "models": list(spec.model.served_model_names),
-        "backends": {
-            "dns": f"{engines_service_name(name)}.{namespace}.svc",
-            "port": SERVING_PORT,
-            "labelSelector": selector_string(serving_selector(name)),
-        },
-        "policy": routing.policy,
-        "sessionAffinity": routing.session_affinity.to_wire(),
-        "kvBlockSize": spec.engine.kv_block_size,
-        # The router loads the tokenizer from here to hash prompts into the engine's prefix blocks.
-        "modelPath": model_dir,
-        "slo": spec.slo.to_wire(),
-        "price": {"perReplicaHour": hourly_cost(spec, 1), "currency": spec.price.currency},
-    }
+    return router_config_json(RouterConfig(
+        service=owner["metadata"]["name"],
+        namespace=owner["metadata"]["namespace"],
+        models=tuple(spec.model.served_model_names),
+        policy=routing.policy,
+        session_affinity=SessionAffinity(affinity.enabled, affinity.header.lower(), affinity.ttl_seconds),
+        kv_block_size=spec.engine.kv_block_size,
+        model_path=model_dir,       # the router loads the tokenizer from here to hash prompts into prefix blocks
+        price_per_replica_hour=hourly_cost(spec, 1),
+        currency=spec.price.currency,
+        slo=Slo(spec.slo.time_to_first_token_ms, spec.slo.time_per_output_token_ms, float(spec.slo.percentile)),
+        scale_from_zero=(ScaleFromZero(spec.autoscaling.max_pending_requests, spec.autoscaling.pending_timeout_seconds)
+                         if spec.max_replicas is not None and spec.min_replicas == 0 else None),
+        migration_limit=routing.migration_limit,
+        no_replica_hold_s=float(routing.no_replica_hold_seconds),
+    ))
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:
@@ -199,26 +269,20 @@ def _pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def endpoints_config(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """endpoints.json: the serving pods the router may send requests to, sorted by pod name.
+def endpoints_config(pods: list[dict[str, Any]], draining: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """endpoints.json (``contract.router_files``): the serving pods the router may send requests to, sorted by
+    pod name.
 
-    ``pods`` are the leader pods of the replicas (``serving_selector``). A pod
-    without an IP yet, or being deleted, is left out; ``ready`` is the pod's
-    Ready condition (the router polls the pod itself too)."""
-    out = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        ip = (pod.get("status") or {}).get("podIP")
-        if not ip or meta.get("deletionTimestamp"):
-            continue
-        out.append({
-            "pod": meta["name"],
-            "slice": (meta.get("labels") or {}).get(SLICE_LABEL, ""),
-            "ip": ip,
-            "port": SERVING_PORT,
-            "ready": _pod_ready(pod),
-        })
-    return sorted(out, key=lambda e: e["pod"])
+    ``pods`` are the leader pods of the replicas (``serving_selector``). A pod without an IP yet, or being
+    deleted, is left out; ``ready`` is the pod's Ready condition (the router polls the pod itself too); a pod of
+    a Slice in ``draining`` is marked so (the router sends it no new request)."""
+    return endpoints_json([
+        Endpoint(pod=pod["metadata"]["name"], ip=pod["status"]["podIP"], port=SERVING_PORT, ready=_pod_ready(pod),
+                 slice=(slice_ := (pod["metadata"].get("labels") or {}).get(SLICE_LABEL, "")),
+                 draining=slice_ in draining)
+        for pod in pods
+        if (pod.get("status") or {}).get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp")
+    ])
 
 
 def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec,
@@ -233,7 +297,7 @@ def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec,
     }
 
 
-def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring: Wiring = NO_WIRING) -> dict[str, Any]:
     name = owner["metadata"]["name"]
     labels = common_labels(name) | {ROLE_LABEL: "router"}
     config_hash = revision_of(router_config(owner, spec))  # endpoints.json is deliberately not in it
@@ -249,15 +313,23 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
             "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
             "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--model", model_dir,
+            *client_keys_args(spec),
         ],
+        "env": [replica_key_env(name)],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 3),
-        "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}, *model_mounts],
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}, *model_mounts,
+                         *client_keys_mount(spec)],
     }
+    harden_container(container)
     if spec.routing.resources is not None and spec.routing.resources.to_wire():
         container["resources"] = spec.routing.resources.to_wire()
+    pod_spec: dict[str, Any] = harden_pod_spec({
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": router_name(name)}}, *volumes, *client_keys_volume(spec)],
+        "enableServiceLinks": False,
+    })
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -266,12 +338,9 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict
             "replicas": spec.routing.replicas,
             "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: "router"}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
-                "spec": {
-                    "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": router_name(name)}}, *volumes],
-                    "enableServiceLinks": False,
-                },
+                "metadata": {"labels": labels,
+                             "annotations": {CONFIG_HASH_ANNOTATION: config_hash, **key_annotations(wiring)}},
+                "spec": pod_spec,
             },
         },
     }
@@ -319,23 +388,32 @@ class Children:
 
 
 def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
-                     endpoints: list[dict[str, Any]] | None = None) -> Children:
-    """``endpoints`` is ``endpoints_config`` of the service's serving pods (the router ConfigMap carries it)."""
+                     endpoints: list[dict[str, Any]] | None = None, wiring: Wiring = NO_WIRING,
+                     replicas: int | None = None) -> Children:
+    """``endpoints`` is ``endpoints_config`` of the service's serving pods (the router ConfigMap carries it);
+    ``wiring`` the replica key's identity and the operator's namespace (``builders.auth``); ``replicas`` the
+    count to run (the autoscaler's choice; default spec.replicas)."""
     name = owner["metadata"]["name"]
     return Children(
-        revision=slice_revision(name, spec),
-        slices=tuple(slice_manifest(owner, spec, i) for i in range(spec.replicas)),
+        revision=slice_revision(name, spec, wiring),
+        slices=tuple(slice_manifest(owner, spec, i, wiring)
+                     for i in range(spec.replicas if replicas is None else replicas)),
         others=(
             router_configmap(owner, spec, endpoints),
-            router_deployment(owner, spec),
+            router_deployment(owner, spec, wiring),
             router_service(owner),
             engines_service(owner),
+            replicas_network_policy(owner, wiring),
         ),
     )
 
 
+def accelerators_per_replica(spec: InferenceServiceSpec) -> int:
+    """Accelerators one replica holds (0 for ``cpu``)."""
+    return 0 if spec.accelerator.type == "cpu" else spec.accelerator.count_per_host * spec.accelerator.hosts_per_replica
+
+
 def hourly_cost(spec: InferenceServiceSpec, replicas: int) -> float:
     """Dollars per hour of `replicas` replicas at the spec's prices."""
-    accelerators = 0 if spec.accelerator.type == "cpu" else spec.accelerator.count_per_host * spec.accelerator.hosts_per_replica
-    per_replica = accelerators * spec.price.accelerator_per_hour + spec.price.overhead_per_hour
+    per_replica = accelerators_per_replica(spec) * spec.price.accelerator_per_hour + spec.price.overhead_per_hour
     return round(replicas * per_replica, 6)

@@ -16,6 +16,7 @@ import copy
 from typing import Any
 
 from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.builders.security import keep_last_words
 from tokenfleet_operator.naming import (
     ACCELERATOR_NODE_LABEL,
     ATTEMPT_LABEL,
@@ -29,7 +30,7 @@ from tokenfleet_operator.naming import (
     child_metadata,
     member_pod_name,
 )
-
+from tokenfleet_serving.contract.pod_env import PodEnv
 
 CHECKPOINT_MOUNT = "/var/run/tokenfleet/checkpoints"
 CHECKPOINT_VOLUME = "tokenfleet-checkpoints"
@@ -52,28 +53,30 @@ def checkpoint_volume(store: str) -> tuple[dict[str, Any] | None, str | None]:
 
 def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, restore_from: str | None,
                revision: str) -> list[dict[str, str]]:
-    env = [
-        {"name": "TOKENFLEET_SLICE", "value": slice_name},
-        {"name": "TOKENFLEET_MEMBER_INDEX", "value": str(member)},
-        {"name": "TOKENFLEET_SLICE_HOSTS", "value": str(spec.hosts)},
-        {"name": "TOKENFLEET_LEADER_POD", "value": member_pod_name(slice_name, 0)},
-        {"name": "TOKENFLEET_ATTEMPT", "value": str(attempt)},
-        {"name": "TOKENFLEET_REVISION", "value": revision},
-    ]
+    """The ``contract.pod_env`` environment of one member."""
+    values: dict[PodEnv, str] = {
+        PodEnv.SLICE: slice_name,
+        PodEnv.MEMBER_INDEX: str(member),
+        PodEnv.SLICE_HOSTS: str(spec.hosts),
+        PodEnv.LEADER_POD: member_pod_name(slice_name, 0),
+        PodEnv.ATTEMPT: str(attempt),
+        PodEnv.REVISION: revision,
+    }
     if spec.topology:
-        env.append({"name": "TOKENFLEET_TOPOLOGY", "value": spec.topology})
+        values[PodEnv.TOPOLOGY] = spec.topology
     if spec.checkpoint is not None:
-        env.append({"name": "TOKENFLEET_CHECKPOINT_STORE", "value": spec.checkpoint.store})
-        env.append({"name": "TOKENFLEET_CHECKPOINT_INTERVAL_SECONDS", "value": str(spec.checkpoint.interval_seconds)})
+        values[PodEnv.CHECKPOINT_STORE] = spec.checkpoint.store
+        values[PodEnv.CHECKPOINT_INTERVAL_SECONDS] = str(spec.checkpoint.interval_seconds)
         directory = checkpoint_volume(spec.checkpoint.store)[1]
         if directory:
-            env.append({"name": "TOKENFLEET_CHECKPOINT_DIR", "value": directory})
+            values[PodEnv.CHECKPOINT_DIR] = directory
         if restore_from:
-            env.append({"name": "TOKENFLEET_RESTORE_FROM", "value": restore_from})
-    return env
+            values[PodEnv.RESTORE_FROM] = restore_from
+    return [{"name": name.value, "value": value} for name, value in values.items()]
 
 
-def _with_accelerator(container: dict[str, Any], spec: SliceSpec) -> None:
+def with_accelerator(container: dict[str, Any], spec: SliceSpec) -> None:
+    """The main container requests (and is limited to) countPerHost accelerators."""
     if spec.accelerator.type == "cpu":
         return
     resources = container.setdefault("resources", {})
@@ -132,9 +135,10 @@ def member_pod(
     annotations = dict(template_meta.annotations or {}) if template_meta and template_meta.annotations else {}
     pod_spec = copy.deepcopy(spec.template.spec)
     pod_spec["restartPolicy"] = "Never"
+    keep_last_words(pod_spec)
     containers = pod_spec["containers"]
     main = containers[0]
-    _with_accelerator(main, spec)
+    with_accelerator(main, spec)
     main["env"] = list(main.get("env", [])) + member_env(name, spec, member, attempt, restore_from, revision)
     volume = checkpoint_volume(spec.checkpoint.store)[0] if spec.checkpoint is not None else None
     if volume is not None:

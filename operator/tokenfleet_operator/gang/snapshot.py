@@ -6,6 +6,7 @@ the plain dicts the API server returns.
 """
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import math
 from dataclasses import dataclass
@@ -14,9 +15,9 @@ from typing import Any
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.api.slice_queue import DEFAULT_QUEUE, SliceQueueSpec
 from tokenfleet_operator.conditions import parse_rfc3339
+from tokenfleet_operator.gang.placement import BoundPod, Node, Queue, SliceRequest, Taint, Toleration
+from tokenfleet_operator.gang.placement.requeue import DEFAULT_BASE_SECONDS, DEFAULT_CAP_SECONDS, requeue_delay
 from tokenfleet_operator.naming import ACCELERATOR_NODE_LABEL
-from tokenfleet_operator.placement import BoundPod, Node, Queue, SliceRequest, Taint, Toleration
-from tokenfleet_operator.placement.requeue import DEFAULT_BASE_SECONDS, DEFAULT_CAP_SECONDS, requeue_delay
 
 # The quota of the implicit default queue: no limit in practice.
 UNLIMITED = 10**12
@@ -62,15 +63,54 @@ def node_from_object(obj: dict[str, Any]) -> Node:
     )
 
 
+def _container_counts(container: Any) -> dict[str, int]:
+    """A container's extended resources: its requests, or its limits where it requests nothing."""
+    resources = (container.get("resources") or {}) if isinstance(container, dict) else {}
+    return extended_resources(resources.get("limits")) | extended_resources(resources.get("requests"))
+
+
+def _add(total: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    return {name: total.get(name, 0) + counts.get(name, 0) for name in total.keys() | counts.keys()}
+
+
+def pod_spec_requests(pod_spec: dict[str, Any]) -> dict[str, int]:
+    """Extended resources a pod holds, as the kubelet and the scheduler count them: every container runs at
+    once, and so do sidecars (init containers with restartPolicy Always) from their start; a plain init
+    container runs alone with the sidecars started before it. The pod holds the larger of the two peaks."""
+    sidecars: dict[str, int] = {}
+    init_peak: dict[str, int] = {}
+    for init in pod_spec.get("initContainers") or []:
+        counts = _container_counts(init)
+        if isinstance(init, dict) and init.get("restartPolicy") == "Always":
+            sidecars = _add(sidecars, counts)
+        else:
+            during = _add(sidecars, counts)
+            init_peak = {n: max(init_peak.get(n, 0), during.get(n, 0)) for n in init_peak.keys() | during.keys()}
+    running = dict(sidecars)
+    for container in pod_spec.get("containers") or []:
+        running = _add(running, _container_counts(container))
+    out = {n: max(running.get(n, 0), init_peak.get(n, 0)) for n in running.keys() | init_peak.keys()}
+    return {n: c for n, c in sorted(out.items()) if c}
+
+
 def pod_requests(pod: dict[str, Any]) -> dict[str, int]:
-    """Extended resources a pod holds: per container, requests (or limits when no request), summed."""
-    total: dict[str, int] = {}
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        resources = c.get("resources") or {}
-        counts = extended_resources(resources.get("limits")) | extended_resources(resources.get("requests"))
-        for name, count in counts.items():
-            total[name] = total.get(name, 0) + count
-    return total
+    """Extended resources a pod holds (``pod_spec_requests`` of its spec)."""
+    return pod_spec_requests(pod.get("spec") or {})
+
+
+def member_accelerators(spec: SliceSpec) -> int:
+    """Accelerators one member pod of the Slice holds: countPerHost in the main container (the operator sets
+    it there) plus whatever the template's other containers and init containers request of the same
+    resource, counted as ``pod_spec_requests`` counts a running pod. A cpu Slice holds none."""
+    if spec.accelerator.type == "cpu":
+        return 0
+    from tokenfleet_operator.builders.slice_pods import with_accelerator
+
+    pod_spec = copy.deepcopy(spec.template.spec)
+    containers = pod_spec.get("containers") or [{}]
+    pod_spec["containers"] = containers
+    with_accelerator(containers[0], spec)
+    return pod_spec_requests(pod_spec).get(spec.accelerator.resource_name, 0)
 
 
 def holds_capacity(pod: dict[str, Any]) -> bool:
@@ -100,12 +140,16 @@ def slice_request(obj: dict[str, Any], spec: SliceSpec, created: float) -> Slice
     pod_spec = spec.template.spec
     selector = dict(pod_spec.get("nodeSelector") or {})
     selector[ACCELERATOR_NODE_LABEL] = spec.accelerator.type
+    per_host = member_accelerators(spec)
+    # spec.topology describes countPerHost per host; when other containers add accelerators, only its host
+    # count still holds (both forms ask the placer for the same run of consecutive host indices).
+    topology = spec.topology if per_host == spec.accelerator.count_per_host or spec.topology is None else str(spec.hosts)
     return SliceRequest(
         key=slice_key(obj),
         resource=spec.accelerator.resource_name,
-        per_host=spec.accelerator.count_per_host,
+        per_host=per_host,
         hosts=spec.hosts,
-        topology=spec.topology,
+        topology=topology,
         domain_label=spec.topology_key,
         node_selector=selector,
         tolerations=tolerations_of(pod_spec),
@@ -158,7 +202,7 @@ def timestamp(text: str | None) -> float | None:
 
 
 def to_rfc3339(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from .matching import EXCLUSION_ORDER, eligibility_signature, exclusion, host_index
 from .model import BoundPod, Node, SliceRequest
@@ -146,11 +146,13 @@ class Ledger:
                 # One node per host index; a duplicate index keeps the node first by name.
                 by_index: dict[int, int] = {}
                 for node_id in node_ids:
-                    by_index.setdefault(host_index(self.nodes[node_id], request.host_index_label), node_id)
+                    index = host_index(self.nodes[node_id], request.host_index_label)
+                    assert index is not None, "matching excludes nodes without a host index"
+                    by_index.setdefault(index, node_id)
                 node_ids = sorted(by_index.values())
             pool = Pool(name, ordinal, node_ids)
             if topology:
-                pool.by_index = {host_index(self.nodes[i], request.host_index_label): i for i in node_ids}
+                pool.by_index = by_index
                 pool.max_index = max(pool.by_index)
             pool.hist = [0] * width
             pool.allocatable = [self.nodes[i].allocatable.get(resource, 0) for i in node_ids]

@@ -1,7 +1,7 @@
 """The placer's input and output: plain frozen values, validated on construction.
 
 The Kopf shell converts Kubernetes objects (Nodes, Pods, Slices, queues) into
-these values, calls :func:`tokenfleet_operator.placement.place`, and turns the
+these values, calls :func:`tokenfleet_operator.gang.placement.place`, and turns the
 returned plan into Binding API calls, evictions and status. Nothing here knows
 about the API server; every field is checked when the value is built, and a
 bad field raises ``ValueError`` naming the object and the field.
@@ -9,9 +9,9 @@ bad field raises ``ValueError`` naming the object and the field.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Union
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 TOLERATION_OPERATORS = ("Equal", "Exists")
@@ -255,7 +255,7 @@ class Preemption:
     members: tuple[tuple[int, str], ...]
 
 
-Decision = Union[Placement, Unplaced]
+Decision = Placement | Unplaced
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ victim, then domain name.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .capacity import Pool, PoolSet
 from .fitting import choose_nodes

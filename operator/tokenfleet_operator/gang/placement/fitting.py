@@ -14,22 +14,19 @@ that can hold the Slice, ties by domain name.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .capacity import Pool, PoolSet
 
 
-def choose_nodes(pool: Pool, free: Sequence[int], per_host: int, hosts: int, topology: bool,
+def choose_nodes(pool: Pool, free: Sequence[int] | Mapping[int, int], per_host: int, hosts: int, topology: bool,
                  extra: Mapping[int, int] | None = None) -> list[int] | None:
     """Node ids for members 0..hosts-1, or None if the Slice does not fit ``pool``.
 
     ``extra`` adds units per node id (capacity that evicting victims would free).
     """
-    if extra:
-        def units(node_id: int) -> int:
-            return free[node_id] + extra.get(node_id, 0)
-    else:
-        units = free.__getitem__
+    def units(node_id: int) -> int:
+        return free[node_id] + extra.get(node_id, 0) if extra else free[node_id]
     if not topology:
         candidates = [(u, n) for n in pool.nodes if (u := units(n)) >= per_host]
         if len(candidates) < hosts:

@@ -12,15 +12,29 @@ The function is pure: the same inputs, in any order, give the same plan.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from . import reasons
 from .capacity import Ledger, PoolSet
 from .fitting import find_best, fits_when_empty
 from .model import (
-    BLOCKED_BY_QUEUE_HEAD, DOMAIN_TOO_SMALL, INSUFFICIENT_CAPACITY, NO_MATCHING_NODES, PREEMPTING,
-    QUEUE_NOT_FOUND, QUOTA_EXCEEDED, QUOTA_TOO_SMALL, BoundPod, Decision, Node, Placement,
-    PlacementPlan, Preemption, Queue, SliceRequest, Unplaced,
+    BLOCKED_BY_QUEUE_HEAD,
+    DOMAIN_TOO_SMALL,
+    INSUFFICIENT_CAPACITY,
+    NO_MATCHING_NODES,
+    PREEMPTING,
+    QUEUE_NOT_FOUND,
+    QUOTA_EXCEEDED,
+    QUOTA_TOO_SMALL,
+    BoundPod,
+    Decision,
+    Node,
+    Placement,
+    PlacementPlan,
+    Preemption,
+    Queue,
+    SliceRequest,
+    Unplaced,
 )
 from .preemption import choose_victims, victim_order
 

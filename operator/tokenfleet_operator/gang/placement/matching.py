@@ -7,7 +7,7 @@ label (if the Slice names one) and, for a Slice with a topology, a host index.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .model import Node, SliceRequest, Taint, Toleration
 

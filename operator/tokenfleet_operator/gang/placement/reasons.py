@@ -3,7 +3,7 @@ numbers a user needs to act: what the Slice asks for and the best the cluster
 can offer right now."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .capacity import Pool, PoolSet
 from .model import SliceRequest
@@ -42,7 +42,8 @@ def _longest_run(pool: Pool, units: Sequence[int] | dict, per_host: int) -> int:
 
 def insufficient_capacity(request: SliceRequest, poolset: PoolSet, free: Sequence[int]) -> str:
     p, h = request.per_host, request.hosts
-    best_key, best_pool = None, None
+    best_key: tuple[int, ...] | None = None
+    best_pool: Pool | None = None
     for pool in poolset.pools:
         if poolset.topology:
             enough = min(_longest_run(pool, free, p), h)
@@ -51,6 +52,7 @@ def insufficient_capacity(request: SliceRequest, poolset: PoolSet, free: Sequenc
         key = (enough, pool.total, -pool.ordinal)
         if best_key is None or key > best_key:
             best_key, best_pool = key, pool
+    assert best_key is not None and best_pool is not None, "a request with no pool never reaches here"
     enough, total, _ = best_key
     if poolset.topology:
         offer = (f"has at most {enough} consecutive {request.host_index_label} values with ≥{p} free "
@@ -62,7 +64,8 @@ def insufficient_capacity(request: SliceRequest, poolset: PoolSet, free: Sequenc
 
 def domain_too_small(request: SliceRequest, poolset: PoolSet) -> str:
     p, h = request.per_host, request.hosts
-    best_key, best_pool = None, None
+    best_key: tuple[int, ...] | None = None
+    best_pool: Pool | None = None
     for pool in poolset.pools:
         if poolset.topology:
             enough = min(_longest_run(pool, dict(zip(pool.nodes, pool.allocatable)), p), h)
@@ -71,6 +74,7 @@ def domain_too_small(request: SliceRequest, poolset: PoolSet) -> str:
         key = (enough, -pool.ordinal)
         if best_key is None or key > best_key:
             best_key, best_pool = key, pool
+    assert best_key is not None and best_pool is not None, "a request with no pool never reaches here"
     enough = best_key[0]
     scope = "the cluster" if request.domain_label is None else f"the largest {request.domain_label}, {best_pool.name},"
     if poolset.topology:

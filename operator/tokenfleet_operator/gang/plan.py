@@ -26,15 +26,28 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.api.slice_queue import DEFAULT_QUEUE
-from tokenfleet_operator.gang_snapshot import (
-    QueueConfig, Timeline, admission_timeline, bound_pod, default_queue, holds_capacity, node_from_object,
-    queue_from_object, slice_key, slice_request, timestamp, to_rfc3339,
+from tokenfleet_operator.gang.placement import Placement, SliceRequest, place
+from tokenfleet_operator.gang.slice_state import slice_revision
+from tokenfleet_operator.gang.snapshot import (
+    QueueConfig,
+    Timeline,
+    admission_timeline,
+    bound_pod,
+    default_queue,
+    holds_capacity,
+    member_accelerators,
+    node_from_object,
+    queue_from_object,
+    slice_key,
+    slice_request,
+    timestamp,
+    to_rfc3339,
 )
 from tokenfleet_operator.naming import ATTEMPT_LABEL, MEMBER_LABEL, REVISION_LABEL, SLICE_LABEL
-from tokenfleet_operator.placement import Placement, SliceRequest, place
-from tokenfleet_operator.slice_state import slice_revision
+from tokenfleet_operator.policy import ANY_HOST_PATH
 from tokenfleet_operator.validation import check_slice
 
 SCHEDULER_NAME = "tokenfleet"
@@ -110,6 +123,8 @@ class PassPlan:
     states: dict[str, str] = field(default_factory=dict)
     queue_status: dict[str, dict[str, Any]] = field(default_factory=dict)  # SliceQueue name -> status
     pending_by_queue: dict[str, int] = field(default_factory=dict)
+    oldest_wait_by_queue: dict[str, float] = field(default_factory=dict)   # seconds the longest-waiting Slice waited
+    admission_timeouts: dict[str, float] = field(default_factory=dict)     # queues that have one
 
 
 @dataclass
@@ -127,7 +142,8 @@ def _member(pod: dict[str, Any]) -> int | None:
 
 def classify(obj: dict[str, Any], spec: SliceSpec | None, pods: list[dict[str, Any]]) -> str:
     """The state of one Slice, from its own member pods."""
-    if spec is None or spec.accelerator.type == "cpu" or check_slice(spec):
+    # Whether a host path is allowed is the Slice controller's business (such a Slice has no pods to place).
+    if spec is None or spec.accelerator.type == "cpu" or check_slice(spec, ANY_HOST_PATH):
         return NOT_GANG
     if obj["metadata"].get("deletionTimestamp") or (obj.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
         return NOT_GANG if not any(holds_capacity(p) for p in pods) else RUNNING
@@ -197,6 +213,7 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
         gangs[slice_key(obj)] = gang
         plan.states[slice_key(obj)] = gang.state
 
+    queue_objects = {q["metadata"]["name"]: q for q in queues}
     configs: dict[str, QueueConfig] = {}
     broken_queues: dict[str, str] = {}
     for q in queues:
@@ -220,7 +237,8 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
             bound = sum(1 for p in live if p["spec"].get("nodeName"))
             plan.rollbacks.append(Rollback(
                 key, meta["namespace"], meta["name"], _refs(live),
-                f"{bound} of {len(live)} members were bound, the rest not; deleting all {len(live)} so the gang is placed again as a whole"))
+                f"{bound} of {len(live)} members were bound, the rest not; "
+                f"deleting all {len(live)} so the gang is placed again as a whole"))
             continue
         if gang.state == RUNNING and gang.spec is not None and gang.spec.accelerator.type != "cpu":
             try:
@@ -258,9 +276,9 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
 
     node_values = [node_from_object(n) for n in sorted(nodes, key=lambda n: n["metadata"]["name"])]
     node_names = {n.name for n in node_values}
-    bound = [bound_pod(p, gang_of_pod.get(p["metadata"]["uid"])) for p in pods
-             if holds_capacity(p) and p["spec"]["nodeName"] in node_names]
-    result = place(node_values, bound, pending, [c.queue for c in configs.values()], running)
+    bound_pods = [bound_pod(p, gang_of_pod.get(p["metadata"]["uid"])) for p in pods
+                  if holds_capacity(p) and p["spec"]["nodeName"] in node_names]
+    result = place(node_values, bound_pods, pending, [c.queue for c in configs.values()], running)
 
     for decision in result.decisions:
         gang = gangs[decision.slice_key]
@@ -268,9 +286,9 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
         assert gang.spec is not None
         if isinstance(decision, Placement):
             by_member = {_member(p): p for p in gang.pods}
-            members = tuple((PodRef(by_member[i]["metadata"]["name"], by_member[i]["metadata"]["uid"]), node)
-                            for i, node in decision.members)
-            plan.binds.append(Bind(decision.slice_key, meta["namespace"], meta["name"], members,
+            placed = tuple((PodRef(by_member[i]["metadata"]["name"], by_member[i]["metadata"]["uid"]), node)
+                           for i, node in decision.members)
+            plan.binds.append(Bind(decision.slice_key, meta["namespace"], meta["name"], placed,
                                    decision.domain_label, decision.domain, gang.spec.queue, queued[decision.slice_key]))
         else:
             timeline = timelines[decision.slice_key]
@@ -287,6 +305,10 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
     # Queue bookkeeping: counts for SliceQueue status and the pending gauge.
     for wait in plan.waiting.values():
         plan.pending_by_queue[wait.queue] = plan.pending_by_queue.get(wait.queue, 0) + 1
+        first_queued = queued.get(wait.slice_key)     # this attempt's first queueing: requeues do not reset it
+        if first_queued is not None:
+            plan.oldest_wait_by_queue[wait.queue] = max(plan.oldest_wait_by_queue.get(wait.queue, 0.0), now - first_queued)
+    plan.admission_timeouts = {name: c.admission_timeout for name, c in configs.items() if c.admission_timeout is not None}
     for name, config in configs.items():
         if not config.exists:
             continue
@@ -302,7 +324,29 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
                 admitted += 1
                 spec = gangs[b.slice_key].spec
                 assert spec is not None
-                usage[spec.accelerator.resource_name] = usage.get(spec.accelerator.resource_name, 0) + spec.hosts * spec.accelerator.count_per_host
-        plan.queue_status[name] = {"pendingSlices": plan.pending_by_queue.get(name, 0), "admittedSlices": admitted,
-                                   "usage": dict(sorted(usage.items()))}
+                resource = spec.accelerator.resource_name
+                usage[resource] = usage.get(resource, 0) + spec.hosts * member_accelerators(spec)
+        plan.queue_status[name] = queue_status(queue_objects[name], plan.pending_by_queue.get(name, 0), admitted,
+                                               dict(sorted(usage.items())), None, now)
+    for name, problem in broken_queues.items():
+        plan.queue_status[name] = queue_status(queue_objects[name], plan.pending_by_queue.get(name, 0), 0, {}, problem, now)
     return plan
+
+
+def queue_status(obj: dict[str, Any], pending: int, admitted: int, usage: dict[str, int], problem: str | None,
+                 now: float) -> dict[str, Any]:
+    """A SliceQueue's status: counts, and the kstatus conditions Ready and Stalled (a queue whose spec cannot be
+    used holds its Slices with QueueInvalid until the spec is fixed). Conditions keep their transition times."""
+    generation = obj["metadata"].get("generation")
+    if problem is None:
+        desired = [cond.Desired("Ready", "True", "QueueActive", f"{pending} Slices waiting, {admitted} admitted"),
+                   cond.Desired("Stalled", "False", "QueueActive", "the spec is in force")]
+    else:
+        desired = [cond.Desired("Ready", "False", "QueueInvalid", problem),
+                   cond.Desired("Stalled", "True", "QueueInvalid", f"{problem}; its Slices wait until the spec is fixed")]
+    old = (obj.get("status") or {}).get("conditions")
+    status: dict[str, Any] = {"pendingSlices": pending, "admittedSlices": admitted}
+    if usage:      # no usage: left out (server-side apply turns an empty map into null, which the schema rejects)
+        status["usage"] = usage
+    return status | {"observedGeneration": generation,
+                     "conditions": cond.merge(old, desired, now=to_rfc3339(now), generation=generation)}

@@ -1,0 +1,147 @@
+"""The built-in autoscaler's decision, as a pure function of what the router measured.
+
+Signals (``Signals``), read from the service's router by the collector:
+
+- requests: waiting + running requests summed over the ready replicas (vLLM's ``num_requests_waiting`` and
+  ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
+  replica is up;
+- KV-cache usage: the mean over the ready replicas (0..1);
+- SLO attainment: the share of recent requests that met ``spec.slo`` (TTFT and TPOT), when there were any.
+
+Each signal with a target says how many replicas it needs, as the HPA does: requests / target per replica;
+replicas x usage / target usage; and one more than the ready replicas while attainment is below its target. The largest
+need wins, within [minReplicas, maxReplicas]. Then:
+
+- **stabilization**: a scale-up takes the lowest recommendation of the last ``scaleUpStabilizationSeconds``
+  (0: at once); a scale-down the highest of the last ``scaleDownStabilizationSeconds``, and only once that
+  much history exists, so a dip does not remove a replica that the next minute needs again;
+- **a bound per step**: at most ``maxScaleUpReplicas`` added and ``maxScaleDownReplicas`` removed at a time;
+- **zero**: with ``minReplicas: 0`` a service with no request for ``scaleToZeroAfterSeconds`` goes to zero,
+  and a request held by the router brings it back to one (or minReplicas) at once;
+- **limits**: when the needs exceed maxReplicas the recommendation says so (``limited``), and the operator
+  shows it as a condition: an SLO that cannot be met at maxReplicas is reported, never chased in a loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Why(StrEnum):
+    SCALE_FROM_ZERO = "ScaleFromZero"
+    SCALE_TO_ZERO = "ScaleToZero"
+    REQUESTS = "RequestsPerReplica"
+    KV_CACHE = "KvCacheUsage"
+    SLO = "SloAttainment"
+    MIN_REPLICAS = "MinReplicas"
+    WITHIN_TARGETS = "WithinTargets"
+    STABILIZING = "Stabilizing"
+    NO_SIGNALS = "NoSignals"
+
+
+@dataclass(frozen=True)
+class Targets:
+    min_replicas: int
+    max_replicas: int
+    requests_per_replica: float = 8.0
+    kv_cache_usage: float = 0.8
+    slo_attainment: float = 0.95
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 120.0
+    max_scale_up: int = 4
+    max_scale_down: int = 1
+    scale_to_zero_after_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Signals:
+    ready_replicas: int
+    requests: float                       # waiting + running over the ready replicas, plus held by the router
+    kv_cache_usage: float | None          # mean over the ready replicas
+    slo_attainment: float | None          # share of recent requests within the SLO; None: no requests or no SLO
+    pending: int = 0                      # requests the router holds because no replica is ready
+    idle_s: float = 0.0                   # seconds since the router last received a request
+
+
+@dataclass
+class History:
+    """Recommendations of the last minutes (time, replicas): the stabilization windows look back over it."""
+
+    recommendations: list[tuple[float, int]] = field(default_factory=list)
+    since: float | None = None            # when this history started (a new leader starts a new one)
+
+    def add(self, now: float, replicas: int, keep_s: float) -> None:
+        if self.since is None:
+            self.since = now
+        self.recommendations.append((now, replicas))
+        self.recommendations = [(t, r) for t, r in self.recommendations if now - t <= keep_s]
+
+    def within(self, now: float, seconds: float) -> list[int]:
+        return [r for t, r in self.recommendations if now - t <= seconds]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    replicas: int
+    reason: Why
+    message: str
+    limited: bool = False                 # the signals ask for more than maxReplicas
+
+
+def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
+    needs = []
+    if t.requests_per_replica > 0:
+        n = math.ceil(s.requests / t.requests_per_replica - 1e-9)
+        needs.append((n, Why.REQUESTS, f"{s.requests:g} requests in flight, target {t.requests_per_replica:g} per replica"))
+    if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
+        n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
+        needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))
+    if s.slo_attainment is not None and s.slo_attainment < t.slo_attainment:
+        # one more than the replicas serving now: a replica that is still starting has not had its chance, and
+        # the attainment of the last minute does not change from one pass to the next while it starts
+        needs.append((s.ready_replicas + 1, Why.SLO,
+                      f"{s.slo_attainment:.1%} of requests met the SLO, target {t.slo_attainment:.1%}"))
+    return needs
+
+
+def recommend(t: Targets, current: int, s: Signals | None, history: History, now: float) -> Recommendation:
+    """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation."""
+    keep = max(t.scale_up_stabilization_s, t.scale_down_stabilization_s)
+    if s is None:
+        return Recommendation(max(current, t.min_replicas), Why.NO_SIGNALS, "no reading of the router yet")
+    if current == 0:
+        if s.pending == 0 and t.min_replicas == 0:
+            return Recommendation(0, Why.SCALE_TO_ZERO, "no request waits")
+        n = max(1, t.min_replicas)
+        history.add(now, n, keep)
+        return Recommendation(n, Why.SCALE_FROM_ZERO, f"{s.pending} requests wait for a replica")
+    needs = _needs(t, current, s)
+    raw, why, text = max(needs, key=lambda n: n[0]) if needs else (0, Why.WITHIN_TARGETS, "no load")
+    idle = s.requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s
+    if t.min_replicas == 0 and idle:
+        raw, why, text = 0, Why.SCALE_TO_ZERO, f"no request for {s.idle_s:.0f} s"
+    elif raw < max(t.min_replicas, 1):
+        raw, why, text = max(t.min_replicas, 1), (Why.MIN_REPLICAS if t.min_replicas > 1 else why), text
+    limited = raw > t.max_replicas
+    wanted = min(raw, t.max_replicas)
+    history.add(now, wanted, keep)
+    if wanted > current:
+        window = history.within(now, t.scale_up_stabilization_s) or [wanted]
+        target = min(min(window), current + t.max_scale_up)
+    elif wanted < current:
+        covered = history.since is not None and now - history.since >= t.scale_down_stabilization_s
+        window = history.within(now, t.scale_down_stabilization_s)
+        if why == Why.SCALE_TO_ZERO:
+            target = 0 if covered or t.scale_down_stabilization_s == 0 else current
+        else:
+            target = max(max(window), current - t.max_scale_down) if covered else current
+    else:
+        target = current
+    target = max(t.min_replicas, min(t.max_replicas, target))
+    if target == current and wanted != current:
+        return Recommendation(current, Why.STABILIZING,
+                              f"{text}: {wanted} wanted, holding {current} until the stabilization window agrees", limited)
+    if limited:
+        text += f"; {raw} replicas would be needed, maxReplicas is {t.max_replicas}"
+    return Recommendation(target, why, text, limited)

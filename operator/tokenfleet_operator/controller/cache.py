@@ -1,0 +1,119 @@
+"""The operator's view of the cluster: the objects its watches delivered, by kind, with label indexes.
+
+Kopf's watch events fill it (``observe``); so do the objects the operator's own writes return (``store``),
+so a pass that runs before the watch event of its own last write already sees that write. An object
+replaces the cached one only if its resourceVersion is not older, so a late watch event never rolls the
+cache back. Reconciles read from here instead of listing from the API server; the gang scheduler, which
+must see its own binds, still lists with quorum reads.
+
+Objects are stored as the API server sent them and handed out as they are: callers treat them as read-only.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+Obj = dict[str, Any]
+ObjKey = tuple[str | None, str]          # (namespace, name)
+
+
+def _rv(obj: Obj) -> int | None:
+    value = (obj.get("metadata") or {}).get("resourceVersion")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class ObjectCache:
+    def __init__(self, indexes: dict[str, Iterable[str]] | None = None):
+        """``indexes``: kind -> label keys to index objects of that kind by (namespace, label value)."""
+        self._lock = threading.Lock()
+        self._objects: dict[str, dict[ObjKey, Obj]] = defaultdict(dict)
+        self._index_keys = {kind: tuple(keys) for kind, keys in (indexes or {}).items()}
+        # (kind, label key) -> (namespace, value) -> set of names
+        self._index: dict[tuple[str, str], dict[ObjKey, set[str]]] = defaultdict(lambda: defaultdict(set))
+
+    # ---- writes -------------------------------------------------------------------
+    def observe(self, kind: str, event_type: str | None, obj: Obj) -> bool:
+        """Apply one watch event; returns whether the cache changed."""
+        if event_type == "DELETED":
+            return self.forget(kind, obj)
+        return self.store(kind, obj)
+
+    def store(self, kind: str, obj: Obj) -> bool:
+        meta = obj.get("metadata") or {}
+        key = (meta.get("namespace"), meta.get("name", ""))
+        with self._lock:
+            old = self._objects[kind].get(key)
+            if old is not None:
+                old_rv, new_rv = _rv(old), _rv(obj)
+                if old_rv is not None and new_rv is not None and new_rv < old_rv:
+                    return False
+                if old_rv is not None and old_rv == new_rv:
+                    return False
+                self._unindex(kind, key, old)
+            self._objects[kind][key] = obj
+            self._reindex(kind, key, obj)
+            return True
+
+    def forget(self, kind: str, obj: Obj) -> bool:
+        meta = obj.get("metadata") or {}
+        key = (meta.get("namespace"), meta.get("name", ""))
+        with self._lock:
+            old = self._objects[kind].pop(key, None)
+            if old is None:
+                return False
+            self._unindex(kind, key, old)
+            return True
+
+    def replace(self, kind: str, objects: list[Obj], namespaces: list[str] | None = None) -> None:
+        """A fresh list of a kind (in ``namespaces``, or everywhere): store it, and forget what it lacks."""
+        listed = {((o.get("metadata") or {}).get("namespace"), (o.get("metadata") or {}).get("name", "")) for o in objects}
+        with self._lock:
+            gone = [(key, obj) for key, obj in self._objects[kind].items()
+                    if key not in listed and (namespaces is None or key[0] in namespaces)]
+            for key, obj in gone:
+                del self._objects[kind][key]
+                self._unindex(kind, key, obj)
+        for obj in objects:
+            self.store(kind, obj)
+
+    def _reindex(self, kind: str, key: ObjKey, obj: Obj) -> None:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        for label in self._index_keys.get(kind, ()):
+            if label in labels:
+                self._index[(kind, label)][(key[0], labels[label])].add(key[1])
+
+    def _unindex(self, kind: str, key: ObjKey, obj: Obj) -> None:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        for label in self._index_keys.get(kind, ()):
+            if label in labels:
+                names = self._index[(kind, label)].get((key[0], labels[label]))
+                if names is not None:
+                    names.discard(key[1])
+
+    # ---- reads ----------------------------------------------------------------------
+    def get(self, kind: str, namespace: str | None, name: str) -> Obj | None:
+        with self._lock:
+            return self._objects[kind].get((namespace, name))
+
+    def list(self, kind: str, namespace: str | None = None) -> list[Obj]:
+        """Objects of a kind (in one namespace, or all of them with None)."""
+        with self._lock:
+            return [o for (ns, _), o in self._objects[kind].items() if namespace is None or ns == namespace]
+
+    def by_label(self, kind: str, namespace: str | None, label: str, value: str) -> list[Obj]:
+        """Objects of a kind in a namespace whose label ``label`` is ``value`` (an indexed label)."""
+        if label not in self._index_keys.get(kind, ()):
+            raise KeyError(f"{kind} objects are not indexed by label {label}")
+        with self._lock:
+            names = self._index[(kind, label)].get((namespace, value), set())
+            objects = self._objects[kind]
+            return [objects[(namespace, n)] for n in sorted(names) if (namespace, n) in objects]
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return len(self._objects[kind])

@@ -1,0 +1,319 @@
+"""The operator's one concurrency model: Kopf watches feed a cache and one work queue; worker threads drain it.
+
+    Kopf watch events (asyncio)  ──observe──▶  ObjectCache  (what the cluster looks like)
+                                     │
+                                     └──triggers──▶  WorkQueue of keys  ──▶  workers ──▶  reconcilers
+                                                      ▲  (dedup, one key at a time,          │
+                                                      │   delays, backoff)                   ▼
+                                              requeues, periodic passes               Kube (writes) ──▶ cache
+
+- Every reconcile is keyed by ``(kind, namespace, name)``; the gang scheduler's pass is one more key.
+  The queue coalesces triggers and never runs one key on two workers at once, so reconciles of one object
+  are sequential without any lock of ours.
+- Periodic work is a delayed key: the resync (every ``resync_seconds``), the gang pass (every
+  ``schedule_interval``), a reconcile's "look again in N s".
+- A write's result goes into the cache at once; its watch event, when it comes back, does not queue the
+  key that wrote it again (the write is remembered by resourceVersion).
+- Only the leader (``leader.py``) works the queue and runs the collector; a standby keeps its cache warm
+  and starts with a full resync the moment it takes over.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet_operator import metrics
+from tokenfleet_operator.api import API_VERSION
+from tokenfleet_operator.autoscale.memory import ServiceMemory
+from tokenfleet_operator.controller.cache import ObjectCache
+from tokenfleet_operator.controller.collector import Collector
+from tokenfleet_operator.controller.errors import InvalidSpec, RetryLater
+from tokenfleet_operator.controller.triggers import GANG_PASS, RESYNC, Key, is_gang_slice, pvc_claim, triggers
+from tokenfleet_operator.controller.workqueue import WorkQueue
+from tokenfleet_operator.kube import Kube, KubeError
+from tokenfleet_operator.naming import MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL, SLICE_LABEL
+
+log = logging.getLogger("tokenfleet.manager")
+
+# What the operator watches and caches: (kind, apiVersion, plural, label selector: "key" or "key=value", or None).
+WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
+    ("InferenceService", API_VERSION, "inferenceservices", None),
+    ("Slice", API_VERSION, "slices", None),
+    ("SliceQueue", API_VERSION, "slicequeues", None),
+    ("Pod", "v1", "pods", f"{MANAGED_BY_LABEL}={MANAGED_BY}"),     # Slice members and router pods
+    ("Deployment", "apps/v1", "deployments", SERVICE_LABEL),
+    ("ConfigMap", "v1", "configmaps", SERVICE_LABEL),
+    ("Service", "v1", "services", SERVICE_LABEL),
+    ("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies", SERVICE_LABEL),
+    ("Node", "v1", "nodes", None),
+    ("PersistentVolumeClaim", "v1", "persistentvolumeclaims", None),
+)
+CLUSTER_SCOPED = {"SliceQueue", "Node"}
+
+# kind -> labels its cached objects are indexed by
+CACHE_INDEXES = {
+    "Slice": (SERVICE_LABEL,),
+    "Pod": (SLICE_LABEL, SERVICE_LABEL),
+    "Deployment": (SERVICE_LABEL,),
+    "ConfigMap": (SERVICE_LABEL,),
+    "Service": (SERVICE_LABEL,),
+    "NetworkPolicy": (SERVICE_LABEL,),
+}
+
+
+@dataclass
+class Context:
+    """What a reconcile works with: the cache to read, the API to write (writes land in the cache at once),
+    the collector's readings, and the key being reconciled."""
+
+    kube: Kube
+    cache: ObjectCache
+    collector: Collector
+    key: Key
+    gang_scheduling: bool
+    _note_write: Callable[[str, dict[str, Any], Key], None]
+    _again: Callable[[Key], None]
+    memory: ServiceMemory = field(default_factory=ServiceMemory)   # this key's memory across passes (leader only)
+
+    def _wrote(self, kind: str, obj: dict[str, Any] | None, before: dict[str, Any] | None, part: str) -> dict[str, Any] | None:
+        """Store what a write returned and remember it as this key's own write, whose watch event is no news
+        to this key. If it shows that someone else changed the object since the cache last saw it, that is
+        news the watch will not bring any more (its event is older than what is cached now): run again."""
+        if obj:
+            obj.setdefault("kind", kind)
+            self.cache.store(kind, obj)
+            self._note_write(kind, obj, self.key)
+            if before is not None and not _untouched_by_others(before, obj, part):
+                self._again(self.key)
+        return obj
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        before = self.cache.get(manifest["kind"], manifest["metadata"].get("namespace"), manifest["metadata"]["name"])
+        out = self._wrote(manifest["kind"], self.kube.apply(manifest), before, "spec")
+        assert out is not None
+        return out
+
+    def apply_status(self, obj: dict[str, Any], status: dict[str, Any], *, resource_version: str | None = None) -> None:
+        before = self.cache.get(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        self._wrote(obj["kind"], self.kube.apply_status(obj, status, resource_version=resource_version), before, "status")
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        return self._wrote(manifest["kind"], self.kube.create(manifest), None, "spec")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        return self.kube.delete(api_version, kind, namespace, name, uid=uid)
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        self.kube.event(obj, type_, reason, message)
+
+
+Reconciler = Callable[[Context, str, str], float | None]
+
+
+def _untouched_by_others(before: dict[str, Any], after: dict[str, Any], part: str) -> bool:
+    """Whether the object a write returned differs from the cached one only in the part that was written:
+    ``status`` (a status write), or everything but status (an apply of a child's spec)."""
+    def others(o: dict[str, Any]) -> Any:
+        meta = o.get("metadata") or {}
+        if part == "status":
+            return (o.get("spec"), o.get("data"), meta.get("labels"), meta.get("annotations"),
+                    meta.get("deletionTimestamp"), meta.get("generation"))
+        return (o.get("status"), meta.get("deletionTimestamp"))
+    return bool(others(before) == others(after))
+
+
+class Manager:
+    def __init__(self, kube: Kube, reconcilers: dict[str, Reconciler], *, gang_pass: Callable[[], float] | None,
+                 namespaces: list[str] | None = None, workers: int = 4, resync_seconds: float = 300.0,
+                 collector_period: float = 10.0):
+        self.kube = kube
+        self.namespaces = namespaces
+        self.reconcilers = reconcilers
+        self.gang_pass = gang_pass
+        self.resync_seconds = resync_seconds
+        self.cache = ObjectCache(CACHE_INDEXES)
+        self.queue = WorkQueue("reconcile", on_wait=lambda name, s: metrics.QUEUE_WAIT.observe(s))
+        self.collector = Collector(self.cache, on_change=self._measured, period=collector_period)
+        self.leading = threading.Event()
+        self._workers = workers
+        self._threads: list[threading.Thread] = []
+        self._writes_lock = threading.Lock()
+        self._own_writes: dict[tuple[str, str | None, str], tuple[int, Key]] = {}
+        self._memory: dict[Key, ServiceMemory] = {}
+        self.triggers_seen = 0
+
+    # ---- from the watches ---------------------------------------------------------------
+    def observe(self, kind: str, event_type: str | None, obj: dict[str, Any]) -> None:
+        """One watch event (Kopf's): update the cache, queue what it asks for."""
+        changed = self.cache.observe(kind, event_type, obj)
+        # The echo of a write is no change to the cache (the write's result is stored at once), but it is news
+        # to every key the event concerns except the writer: a Slice an InferenceService created must be
+        # reconciled itself, and a Slice's status write must reach its InferenceService.
+        writer = self._writer_of(kind, obj, forget=True)
+        if not changed and writer is None:
+            return
+        if kind == "Slice" and event_type != "DELETED" and (obj.get("spec") or {}).get("role") == "batch" \
+                and (obj.get("spec") or {}).get("checkpoint") and self.leading.is_set():
+            meta = obj["metadata"]
+            self.collector.track(("Slice", meta["namespace"], meta["name"]))
+        if not self.leading.is_set():
+            return                       # a standby keeps its cache; the leader it becomes resyncs everything
+        keys = triggers(kind, obj)
+        if kind == "PersistentVolumeClaim":
+            ns, claim = obj["metadata"]["namespace"], obj["metadata"]["name"]
+            keys = [("InferenceService", ns, s["metadata"]["name"]) for s in self.cache.list("InferenceService", ns)
+                    if pvc_claim(s) == claim]
+        if kind == "Slice" and event_type == "DELETED" and is_gang_slice(obj):
+            keys = [k for k in keys if k[0] != "Slice"]
+        for key in keys:
+            if key == writer:
+                continue                 # the echo of a key's own write: nothing new for it
+            self.triggers_seen += 1
+            metrics.TRIGGERS.labels(kind=key[0]).inc()
+            if key == GANG_PASS:
+                self.queue.add_after(key, 0.05)     # let a burst of member-pod events settle into one pass
+            else:
+                self.queue.add(key)
+
+    def _note_write(self, kind: str, obj: dict[str, Any], writer: Key) -> None:
+        meta = obj.get("metadata") or {}
+        try:
+            rv = int(meta.get("resourceVersion"))
+        except (TypeError, ValueError):
+            return
+        with self._writes_lock:
+            self._own_writes[(kind, meta.get("namespace"), meta.get("name", ""))] = (rv, writer)
+
+    def _writer_of(self, kind: str, obj: dict[str, Any], *, forget: bool = False) -> Key | None:
+        """The key whose own write this event reports, if it does (``forget``: and this was its echo, which
+        comes once: a later event of the same resourceVersion, as after a relist, is no news to anyone)."""
+        meta = obj.get("metadata") or {}
+        name = (kind, meta.get("namespace"), meta.get("name", ""))
+        with self._writes_lock:
+            written = self._own_writes.get(name)
+            if written is None:
+                return None
+            try:
+                echo = int(meta.get("resourceVersion")) == written[0]
+            except (TypeError, ValueError):
+                return None
+            if echo and forget:
+                del self._own_writes[name]
+        return written[1] if echo else None
+
+    def _measured(self, key: Key) -> None:
+        """The collector read a new value: the owner's status should show it."""
+        if self.leading.is_set():
+            self.queue.add(key)
+
+    # ---- leadership -----------------------------------------------------------------------
+    def prime(self) -> None:
+        """List every watched kind into the cache (quorum reads), so the first passes of a new leader see the
+        whole cluster, not whatever part of it the watches have delivered so far."""
+        for kind, api_version, _, label in WATCHED:
+            selector = label  # "key" alone selects objects that have the label
+            scope = None if kind in CLUSTER_SCOPED else self.namespaces
+            if scope is None:
+                try:
+                    items = self.kube.list_cluster(api_version, kind, label_selector=selector)
+                except KubeError as e:
+                    if e.status == 404 and kind == "SliceQueue":
+                        continue      # the SliceQueue CRD is optional
+                    raise
+            else:
+                items = [o for ns in scope for o in self.kube.list(api_version, kind, ns, selector)]
+            self.cache.replace(kind, items, scope)
+
+    def start_leading(self) -> None:
+        """Called once this replica holds the Lease (or at once without leader election)."""
+        while True:
+            try:
+                self.prime()
+                break
+            except KubeError as e:
+                log.warning("cannot list the cluster to start leading (%s); trying again", e)
+                time.sleep(2.0)
+        metrics.LEADER.set(1)
+        self.leading.set()
+        self.collector.start()
+        self._resync()
+        if self.gang_pass is not None:
+            self.queue.add(GANG_PASS)
+        for i in range(self._workers):
+            t = threading.Thread(target=self._work, name=f"tokenfleet-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _resync(self) -> None:
+        """Queue every object the operator owns; a reconcile of an unchanged object writes nothing."""
+        for kind in ("InferenceService", "Slice"):
+            for obj in self.cache.list(kind):
+                meta = obj["metadata"]
+                self.queue.add((kind, meta["namespace"], meta["name"]))
+                if kind == "InferenceService":
+                    self.collector.track((kind, meta["namespace"], meta["name"]))
+                elif (obj.get("spec") or {}).get("role") == "batch" and (obj.get("spec") or {}).get("checkpoint"):
+                    self.collector.track((kind, meta["namespace"], meta["name"]))
+        self.queue.add_after(RESYNC, self.resync_seconds)
+
+    def stop(self) -> None:
+        self.leading.clear()
+        metrics.LEADER.set(0)
+        self.queue.shutdown()
+        self.collector.stop()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ---- the workers ------------------------------------------------------------------------
+    def _work(self) -> None:
+        self.queue.work(self.process)
+
+    def process(self, key: Key) -> None:
+        """Run the work of one key and queue whatever comes next."""
+        kind, namespace, name = key
+        if key == RESYNC:
+            self._resync()
+            return
+        started = time.monotonic()
+        result = "ok"
+        try:
+            if key == GANG_PASS:
+                assert self.gang_pass is not None
+                self.queue.add_after(GANG_PASS, self.gang_pass())
+                return
+            assert namespace is not None
+            if kind == "InferenceService":
+                self.collector.track(key)
+            ctx = Context(self.kube, self.cache, self.collector, key, self.gang_pass is not None, self._note_write,
+                          self.queue.add, self._memory.setdefault(key, ServiceMemory()))
+            delay = self.reconcilers[kind](ctx, namespace, name)
+            self.queue.forget(key)
+            if delay:
+                self.queue.add_after(key, delay)
+        except InvalidSpec as e:
+            result = "invalid"
+            self.queue.forget(key)
+            log.info("%s %s/%s: invalid spec: %s", kind, namespace, name, e)
+        except RetryLater as e:
+            result = "retry"
+            log.info("%s %s/%s: %s", kind, namespace, name, e)
+            self.queue.add_after(key, e.delay)
+        except KubeError as e:
+            result = "retry" if e.transient else "error"
+            delay = self.queue.add_rate_limited(key)
+            log.warning("%s %s/%s: %s (again in %.1f s)", kind, namespace or "", name, e, delay)
+        except Exception:
+            result = "error"
+            delay = self.queue.add_rate_limited(key)
+            log.exception("%s %s/%s: reconcile failed (again in %.1f s)", kind, namespace or "", name, delay)
+        finally:
+            metrics.RECONCILES.labels(kind=kind, result=result).inc()
+            if namespace is not None:
+                metrics.RECONCILES_BY_OBJECT.labels(kind=kind, namespace=namespace, name=name).inc()
+            metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.monotonic() - started)
+            metrics.QUEUE_DEPTH.set(len(self.queue))
+

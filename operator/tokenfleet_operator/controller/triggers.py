@@ -1,0 +1,69 @@
+"""Which work a watch event asks for: a pure function from one changed object to the keys to reconcile.
+
+A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single key ``GANG_PASS``. The rules:
+
+- an InferenceService or a Slice: itself;
+- a Slice of a service (label ``tokenfleet.dev/inference-service``): also that service, whose status sums its
+  Slices; a gang-scheduled Slice: also the gang pass (a new, changed or deleted gang changes the plan);
+- a member pod (label ``tokenfleet.dev/slice``): its Slice, and the gang pass; a serving pod of a service:
+  that service (its router's endpoints);
+- a router Deployment, ConfigMap, Service or NetworkPolicy of a service (label ``tokenfleet.dev/inference-service``): that
+  service (a child changed or was deleted by someone else: apply it again);
+- a Node or a SliceQueue: the gang pass (capacity or quota changed);
+- a PersistentVolumeClaim: the services that load their model from it (found by the caller, who has the
+  cache: ``pvc_claim``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet_operator.naming import SERVICE_LABEL, SLICE_LABEL
+
+Key = tuple[str, str | None, str]
+GANG_PASS: Key = ("GangPass", None, "")
+RESYNC: Key = ("Resync", None, "")
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _ns(obj: dict[str, Any]) -> str | None:
+    return (obj.get("metadata") or {}).get("namespace")
+
+
+def is_gang_slice(obj: dict[str, Any]) -> bool:
+    accelerator = ((obj.get("spec") or {}).get("accelerator") or {}).get("type")
+    return accelerator not in (None, "cpu")
+
+
+def triggers(kind: str, obj: dict[str, Any]) -> list[Key]:
+    meta = obj.get("metadata") or {}
+    ns, name, labels = _ns(obj), meta.get("name", ""), _labels(obj)
+    keys: list[Key] = []
+    if kind == "InferenceService":
+        keys.append(("InferenceService", ns, name))
+    elif kind == "Slice":
+        keys.append(("Slice", ns, name))
+        if SERVICE_LABEL in labels:
+            keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
+        if is_gang_slice(obj):
+            keys.append(GANG_PASS)
+    elif kind == "Pod":
+        if SLICE_LABEL in labels:
+            keys.append(("Slice", ns, labels[SLICE_LABEL]))
+            keys.append(GANG_PASS)
+        if SERVICE_LABEL in labels:
+            keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
+    elif kind in ("Deployment", "ConfigMap", "Service", "NetworkPolicy"):
+        if SERVICE_LABEL in labels:
+            keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
+    elif kind in ("Node", "SliceQueue"):
+        keys.append(GANG_PASS)
+    return keys
+
+
+def pvc_claim(service: dict[str, Any]) -> str | None:
+    """The PersistentVolumeClaim an InferenceService loads its model from, if any."""
+    pvc = (((service.get("spec") or {}).get("model") or {}).get("pvc") or {})
+    return pvc.get("claimName")
