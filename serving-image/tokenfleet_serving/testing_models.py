@@ -86,4 +86,9 @@ def create_random_checkpoint(directory: str | Path, *, architecture: str = "llam
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
         "unk_token": "<unk>", "pad_token": "<unk>", "add_bos_token": False,
         "model_max_length": max_position_embeddings, "chat_template": CHAT_TEMPLATE}, indent=2))
+    # Served by unprivileged containers too (the serving image runs as uid 10001), and transformers
+    # writes the weights 0600: every file readable by all.
+    for f in directory.iterdir():
+        if f.is_file():
+            f.chmod(f.stat().st_mode | 0o444)
     return directory

@@ -7,13 +7,14 @@ FLOP/s).
 W3 (prefix cache): a shared prefix + a few new tokens; time to first token
 on a cache hit vs cold (the median of several each), and the cold prefill's fraction of
 the roofline (attention FLOPs counted).
+Dtypes: W1 again in every dtype the host runs (``w1_by_dtype``), and the dtype that ``auto`` chose
+(``auto_dtype``) with its probe's numbers, so the choice can be checked against the full workload.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine import LLMEngine, SamplingParams
+from ..engine import LLMEngine, SamplingParams, cpu_features
 from ..engine.config import ModelConfig
+from ..engine.dtype_choice import NAMES, cpu_candidates
 from ..engine.engine import usable_cpus
 from ..engine.loader import load_config
 from ..server.main import positive_int
@@ -93,15 +95,7 @@ def measure_matmul_flops(n: int = 2048, seconds: float = 2.0) -> dict[str, float
 
 
 def hardware() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": usable_cpus(), "torch_threads": torch.get_num_threads(),
+    return {**cpu_features.describe(), "cores": usable_cpus(), "torch_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "loadavg_1m": os.getloadavg()[0]}
 
@@ -177,6 +171,53 @@ def run_w3(engine: LLMEngine, vocab: int, prefix_len: int, new_len: int, hits: i
             "w3_cached_tokens": min(cached), "ttft_cold_s_runs": cold_times, "ttft_hit_s_runs": hit_times}
 
 
+def dtype_results(model_dir: Path, prompts: list[list[int]], args, engine_args: dict, out_tokens: int,
+                  float32_tok_s: float) -> dict:
+    """W1 in every dtype asked for (float32's from the main run), and what ``auto`` chose on this host."""
+    by_dtype = {"float32": float32_tok_s}
+    candidates = {NAMES[d] for d in cpu_candidates()}
+    for name in [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "float32"]:
+        eng = LLMEngine.from_pretrained(model_dir, **{**engine_args, "dtype": name})
+        # the auto candidates get the same best-of repeats as float32; the others one run
+        runs = max(1, args.repeats) if name in candidates else 1
+        by_dtype[eng.dtype_choice.name] = max(out_tokens / run_engine_w1(eng, prompts, args.output_len)[0]
+                                              for _ in range(runs))
+        del eng
+    auto = LLMEngine.from_pretrained(model_dir, **{**engine_args, "dtype": "auto"})
+    choice = auto.dtype_choice
+    del auto
+    measured = {name: by_dtype[name] for name in candidates if name in by_dtype}
+    return {"w1_by_dtype": by_dtype, "auto_dtype": choice.name, "auto_dtype_how": choice.how,
+            "auto_probe_tokens_per_second": choice.probe_tokens_per_second,
+            "auto_is_fastest_candidate": (choice.name == max(measured, key=lambda n: measured[n])
+                                          if len(measured) == len(candidates) else None)}
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """W1 output tokens/s side by side, and W3's time to first token, cold and from the prefix cache."""
+    from . import plot as pl
+
+    fig, (w1, w3) = pl.figure(2, "tokenfleet bench engine", columns=2, width=11, panel_height=4.2)
+    bars = [("transformers", result.get("hf_output_tok_s")), ("engine", result.get("engine_output_tok_s")),
+            ("engine,\nPyTorch path", result.get("engine_pytorch_path_output_tok_s")),
+            *((f"engine,\n{name}", speed) for name, speed in (result.get("w1_by_dtype") or {}).items()
+              if name != "float32"),                       # the engine bar is float32
+            ("roofline", result.get("roofline_output_tok_s"))]
+    bars = [(name, value) for name, value in bars if value is not None]
+    shown = w1.bar([n for n, _ in bars], [v for _, v in bars], color=["0.6"] + ["C0"] * (len(bars) - 2) + ["0.85"])
+    w1.bar_label(shown, fmt="%.0f", fontsize=7)
+    w1.set_ylabel("output tokens/s")
+    w1.set_title("W1: offline batch (greedy, fp32 unless named)", fontsize=9)
+    w1.tick_params(axis="x", labelsize=7)
+    ttft = [("cold prefill", result.get("ttft_cold_s")), ("prefix-cache hit", result.get("ttft_hit_s"))]
+    ttft = [(n, v * 1000) for n, v in ttft if v is not None]
+    shown = w3.bar([n for n, _ in ttft], [v for _, v in ttft], color=["0.6", "C2"])
+    w3.bar_label(shown, fmt="%.0f ms", fontsize=8)
+    w3.set_ylabel("time to first token (ms)")
+    w3.set_title("W3: a long shared prefix, cold and cached", fontsize=9)
+    pl.save(fig, path, result.get("hardware"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenfleet bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2,
                     help="W1 runs of each system, alternating engine and transformers; the best of each counts "
                          "(a shared machine's load changes between runs)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,float16",
+                    help="comma-separated dtypes to run W1 in for w1_by_dtype (float32 always runs)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    from .plot import add_argument as add_plot_argument
+    add_plot_argument(ap, "W1 throughput side by side (transformers, the engine, each dtype, the roofline) and W3's TTFT")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or usable_cpus())
     tmp = None
@@ -247,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         del plain
         result.update(engine_pytorch_path_output_tok_s=out_tokens / t_plain, kernels_speedup=t_plain / t_engine)
 
+    result.update(dtype_results(model_dir, prompts, args, engine_args, out_tokens, result["engine_output_tok_s"]))
+
     measure_roofline("_mid")                # again right before W3's timings, next to the cold prefill it divides
     w3 = run_w3(engine, config.vocab_size, args.prefix_len, args.new_len, args.hits, args.colds, rng)
     cold_flops = sequence_flops(config, args.prefix_len + args.new_len, 1)
@@ -271,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             ("W1 engine, PyTorch path only, tok/s", result.get("engine_pytorch_path_output_tok_s")),
             ("W1 ratio vs transformers", result.get("ratio_vs_hf")),
             ("W1 roofline output tok/s", roofline), ("W1 roofline fraction", result["roofline_fraction"]),
+            *((f"W1 engine output tok/s, {name}", speed) for name, speed in result["w1_by_dtype"].items()),
+            ("dtype auto chose", f"{result['auto_dtype']} ({result['auto_dtype_how']})"),
             ("W3 TTFT cold (s)", w3["ttft_cold_s"]), ("W3 TTFT hit (s)", w3["ttft_hit_s"]),
             ("W3 TTFT reduction", w3["ttft_reduction"]),
             ("W3 prefill roofline fraction", w3["prefill_roofline_fraction"]),
@@ -283,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<38} {shown}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -248,6 +248,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Latency percentiles and throughput against the offered rate (log scale), with the SLO as lines."""
+    from . import plot as pl
+
+    rows = result["rows"]
+    rates = [r["offered_rate"] for r in rows]
+    fig, (lat, tpot, thr) = pl.figure(3, "tokenfleet bench serve: latency and goodput against offered load", sharex=True)
+    for ax, name, slo in ((lat, "ttft", result["slo"]["ttft_ms"]), (tpot, "tpot", result["slo"]["tpot_ms"])):
+        for q, style in ((50, "-o"), (90, "--o"), (99, ":o")):
+            ax.plot(rates, [r[f"{name}_p{q}_ms"] for r in rows], style, markersize=3, label=f"p{q}")
+        ax.axhline(slo, color="red", linewidth=0.8, label=f"SLO {slo:g} ms")
+        ax.set_ylabel(f"{name.upper()} (ms)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8, loc="upper left")
+    thr.plot(rates, rates, color="0.7", linewidth=0.8, label="offered")
+    thr.plot(rates, [r["achieved_rate"] for r in rows], "-o", markersize=3, label="achieved req/s")
+    thr.plot(rates, [r["goodput"] for r in rows], "-o", markersize=3, label="goodput req/s (met both SLOs)")
+    thr.set_ylabel("requests/s")
+    thr.set_xscale("log")
+    thr.set_xlabel("offered rate (req/s, Poisson arrivals)")
+    thr.legend(fontsize=8, loc="upper left")
+    pl.save(fig, path, result.get("hardware"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tokenfleet bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: generate a small random model)")
@@ -265,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="run every rate even past saturation")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for 'tokenfleet serve'")
+    from .plot import add_argument as add_plot_argument
+    add_plot_argument(p, "TTFT, TPOT and goodput against the offered rate")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     if any(r <= 0 for r in rates) or rates != sorted(rates):
@@ -316,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows, "summary": saturation(rows), "server_exit_code": rc,
         "hardware": dict(hardware(), loadavg_1m_start=load_start)}
     Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
     s = result["summary"]
     print(f"\nSLO: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
     print(f"saturation rate: {s['saturation_rate']} req/s; max sustained: {s['max_sustained_rate']} req/s; "

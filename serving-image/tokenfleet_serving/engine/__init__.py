@@ -10,7 +10,7 @@ _EXPORTS = {
     "ROOT_HASH": "block_pool", "hash_block": "block_pool", "hash_prefix_blocks": "block_pool",
     "ConfigError": "config", "ModelConfig": "config", "parse_model_config": "config",
     "CheckpointError": "config",
-    "EngineConfig": "engine", "EngineStats": "engine", "LLMEngine": "engine", "choose_dtype": "engine",
+    "EngineConfig": "engine", "EngineStats": "engine", "LLMEngine": "engine", "choose_dtype": "dtype_choice",
     "load_checkpoint": "loader", "load_tokenizer": "tokenizer",
     "RequestOutput": "request", "TokenLogprob": "request",
     "SamplingParams": "sampling_params",

@@ -119,8 +119,14 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
     2+ tokens is described once in ``prefill``; otherwise in the short-chunk group or a long span."""
     kind = lambda c: 0 if len(c.token_ids) == 1 else (1 if len(c.token_ids) < LONG_CHUNK else 2)
     order = sorted(range(len(chunks)), key=lambda i: kind(chunks[i]))
-    ids, pos, slots, rows, sample_order, offsets = [], [], [], [], [], {}
-    one_pos, one_slots = [], []             # single-token chunks (they come first): plain ints, no numpy per chunk
+    ids: list[int] = []
+    pos: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    rows: list[int] = []
+    sample_order: list[int] = []
+    offsets: dict[int, int] = {}
+    one_pos: list[int] = []
+    one_slots: list[int] = []             # single-token chunks (they come first): plain ints, no numpy per chunk
     long_spans = []
     for i in order:
         c = chunks[i]
@@ -159,8 +165,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
         width = max(-(-(chunks[i].start + len(chunks[i].token_ids)) // block_size) for i in multi)
         tables = np.zeros((len(multi), width), dtype=np.int64)
         for r, i in enumerate(multi):
-            table = chunks[i].block_table[:width]
-            tables[r, :len(table)] = table
+            row = chunks[i].block_table[:width]
+            tables[r, :len(row)] = row
         ends = [chunks[i].start + len(chunks[i].token_ids) for i in multi]
         prefill = PrefillChunks(t([offsets[i] for i in multi]), t([len(chunks[i].token_ids) for i in multi]),
                                 t([chunks[i].start for i in multi]), torch.from_numpy(tables).to(device), ends)
@@ -170,9 +176,9 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
             prefill_sampled = PrefillChunks(t(last_rows), t([1] * len(sampled)), t([ends[r] - 1 for r in sampled]),
                                             torch.from_numpy(tables[sampled]).to(device), [ends[r] for r in sampled])
     positions = np.concatenate([np.asarray(one_pos, dtype=np.int64)] + pos)
-    slots = np.concatenate([np.asarray(one_slots, dtype=np.int64)] + slots)
+    all_slots = np.concatenate([np.asarray(one_slots, dtype=np.int64)] + slots)
     span = lambda a: (int(a.min()), int(a.max())) if len(a) else (0, 0)
     return StepBatch(
-        input_ids=t(ids), positions=t(positions), slots=t(slots), groups=groups, long_spans=long_spans,
+        input_ids=t(ids), positions=t(positions), slots=t(all_slots), groups=groups, long_spans=long_spans,
         logits_rows=t(rows), sample_order=sample_order, prefill=prefill, prefill_sampled=prefill_sampled,
-        position_range=span(positions), slot_range=span(slots))
+        position_range=span(positions), slot_range=span(all_slots))

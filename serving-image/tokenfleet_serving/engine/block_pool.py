@@ -61,6 +61,9 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # (parent hash, token ids) of each cached block, for exporting it (prefix_checkpoint.py)
+        self.block_origin: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
+        self.block_hits = [0] * num_blocks      # times a cached block was reused by a prefix hit
         self.num_evictions = 0
 
     @property
@@ -84,6 +87,7 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 del self.free[b]
             self.ref_cnt[b] += 1
+            self.block_hits[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
@@ -95,16 +99,21 @@ class BlockPool:
             if old is not None:
                 del self.cached[old]
                 self.block_hash[b] = None
+                self.block_origin[b] = None
+                self.block_hits[b] = 0
                 self.num_evictions += 1
             self.ref_cnt[b] = 1
             out.append(b)
         return out
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Register a full block under its hash (a duplicate of a cached hash stays anonymous)."""
+    def cache(self, block_id: int, block_hash: bytes,
+              origin: tuple[bytes, tuple[int, ...]] | None = None) -> None:
+        """Register a full block under its hash (a duplicate of a cached hash stays anonymous); ``origin`` is
+        its parent's hash and its token ids."""
         if block_hash not in self.cached and self.block_hash[block_id] is None:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+            self.block_origin[block_id] = origin
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; the last block is released first so it is evicted first."""
@@ -123,7 +132,17 @@ class BlockPool:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self.block_origin = [None] * self.num_blocks
+        self.block_hits = [0] * self.num_blocks
         return True
 
     def cached_hashes(self) -> list[str]:
         return [h.hex() for h in self.cached]
+
+    def hottest_cached(self) -> list[int]:
+        """Cached blocks, hottest first: the most often reused by prefix hits first (shared prefixes), and
+        among equals those held by running requests, then free ones from the most recently freed on."""
+        held = [b for h, b in self.cached.items() if self.ref_cnt[b] > 0]
+        free = [b for b in reversed(self.free) if self.block_hash[b] is not None]
+        order = held + free
+        return sorted(order, key=lambda b: -self.block_hits[b])      # stable: recency breaks ties

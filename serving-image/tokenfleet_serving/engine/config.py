@@ -137,6 +137,13 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(architectures, list) or not architectures:
         raise ConfigError(f"{source}: field 'architectures' is missing or empty")
     architecture = architectures[0]
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ConfigError(
+            f"{source}: field 'quantization_config.quant_method' = {method!r}: the checkpoint is quantized "
+            "already; this engine loads bf16/fp16/fp32 checkpoints only (quantization int8 quantizes them "
+            "at load), so use the unquantized checkpoint")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
             f"{source}: field 'architectures' = {architecture!r} is not supported "

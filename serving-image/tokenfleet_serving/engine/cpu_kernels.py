@@ -8,7 +8,9 @@
   activation silu(gate) * up, the rotary embedding and the KV-cache write, each in one pass;
 * the linear layers' matmul over weights packed once into 16-column panels (AVX2 + FMA builds only),
   which beats oneDNN on the few-row matmuls of decoding;
-* prefill attention over the pool for every chunk of 2+ tokens of a step (AVX2 + FMA builds only).
+* prefill attention over the pool for every chunk of 2+ tokens of a step (AVX2 + FMA builds only);
+* the linear layers' matmul over int8 weights with a per-output-channel scale (weight-only quantization,
+  ``quantization.py``), computed in fp32: AVX2 + FMA tiles, and a portable loop for other builds.
 
 ``huge_page_zeros`` allocates the KV pool in transparent huge pages, for the decode kernel's scattered reads.
 
@@ -34,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_features
+
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 log = logging.getLogger(__name__)
 
@@ -49,27 +53,38 @@ def cache_dir() -> Path:
     return Path(base) / "tokenfleet" / "kernels"
 
 
-def compile_flags() -> list[str]:
+def flags_for(avx2_fma: bool) -> list[str]:
+    """The compile flags of one variant: generic x86-64 (or the host's architecture), or AVX2 + FMA."""
     flags = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
-    try:
-        cpu = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpu = ""
-    if platform.machine() == "x86_64" and " avx2" in cpu and " fma" in cpu:
+    if avx2_fma:
         flags.append("-march=x86-64-v3")      # AVX2 + FMA; the hash keeps it apart from a generic build
     return flags
 
 
-def library_path() -> Path:
-    """Where the library for this source and these flags lives (the key leaves the compiler out, so an
-    image can ship a prebuilt library without a compiler)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(compile_flags()).encode()).hexdigest()[:16]
+def compile_flags() -> list[str]:
+    """The flags of the variant this host uses: AVX2 + FMA when it has them (as capped by TOKENFLEET_CPU_ISA).
+    An AVX-512 host uses the same x86-64-v3 variant as an AVX2-only one."""
+    return flags_for(cpu_features.has_avx2_fma())
+
+
+def library_path(flags: list[str] | None = None) -> Path:
+    """Where the library for this source and these flags (default: this host's) lives. The key leaves the
+    compiler out, so an image can ship a prebuilt library without a compiler."""
+    flags = compile_flags() if flags is None else flags
+    key = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(flags).encode()).hexdigest()[:16]
     return cache_dir() / f"tokenfleet-kernels-{key}.so"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernels unless this source and flags are built already; returns the library's path."""
-    target = library_path()
+def variants() -> list[list[str]]:
+    """The flags of every variant a host of this architecture may look up."""
+    return [flags_for(False), flags_for(True)] if platform.machine() == "x86_64" else [flags_for(False)]
+
+
+def build(compiler: str | None = None, flags: list[str] | None = None) -> Path:
+    """Compile the kernels (this host's variant, or the one ``flags`` name) unless they are built already;
+    returns the library's path."""
+    flags = compile_flags() if flags is None else flags
+    target = library_path(flags)
     if target.exists():
         return target
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -80,12 +95,13 @@ def build(compiler: str | None = None) -> Path:
     os.close(fd)
     try:
         try:
-            done = subprocess.run([cc, *compile_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                                   text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
         if done.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        os.chmod(tmp, 0o644)     # mkstemp's 0600 would hide a library an image builds as root from its user
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -95,7 +111,7 @@ def build(compiler: str | None = None) -> Path:
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}
+_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -111,6 +127,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tf_pack_weight.argtypes = [_PTR, _I64, _I64, _PTR]
     lib.tf_gemm.restype = ctypes.c_int
     lib.tf_gemm.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR]
+    lib.tf_gemm_int8.restype = ctypes.c_int
+    lib.tf_gemm_int8.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR]
     lib.tf_write_kv.restype = None
     lib.tf_write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
     lib.tf_rope.restype = None
@@ -265,6 +283,33 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Ten
     return y
 
 
+def pack_weight_int8(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 ``weight`` [out, in] (out a multiple of 16) as panels [out / 16, in, 16], the fp32 layout."""
+    _require(weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[0] % GEMM_PANEL == 0,
+             "an int8 [out, in] weight with a multiple of 16 rows")
+    out, k = weight.shape
+    return weight.reshape(out // GEMM_PANEL, GEMM_PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear_int8(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, in] (fp32, rows may be strided) times an int8 weight packed by ``pack_weight_int8``, each
+    output channel times its scale: [rows, out], contiguous."""
+    rows, k = x.shape
+    n = panels.shape[0] * GEMM_PANEL
+    _require(x.dtype == torch.float32 and panels.dtype == torch.int8 and panels.is_contiguous()
+             and panels.shape[1:] == (k, GEMM_PANEL), f"fp32 input rows of width {panels.shape[1]} and int8 panels")
+    _require(scales.dtype == torch.float32 and scales.is_contiguous() and scales.shape == (n,), "fp32 scales")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    if rows:
+        scratch = _workspace(rows * k)
+        if lib.tf_gemm_int8(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), scales.data_ptr(), n,
+                            y.data_ptr(), scratch.data_ptr()) != 0:
+            raise MemoryError("the int8 GEMM could not allocate its buffers")
+    return y
+
+
 def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor,
              v_layer: torch.Tensor, slot_range: tuple[int, int] | None = None) -> None:
     """Store ``k`` and ``v`` [rows, kv_heads, head_dim] (fp32; rows may be strided) at cache slots ``slots``
@@ -336,7 +381,7 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
     scratch = _workspace(floats)
     first = 0
     for last in run_ends:
-        at = lambda t: t.data_ptr() + first * t.stride(0) * t.element_size()
+        at = lambda t, first=first: t.data_ptr() + first * t.stride(0) * t.element_size()
         rc = lib.tf_prefill_attention(
             q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), at(tables), tables.shape[1],
             at(q_rows), at(n_q), at(starts), last - first, out.data_ptr(), out.stride(0), heads, kv_heads,
@@ -369,7 +414,8 @@ def _fields(kind, names: str) -> list[tuple[str, type]]:
 
 
 class _Layer(ctypes.Structure):        # struct tf_layer in the C file, field for field (and so on below)
-    _fields_ = _fields(_PTR, "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache")
+    _fields_ = _fields(_PTR, "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache "
+                             "qkv_scale o_scale gate_up_scale down_scale")
 
 
 class _Buffers(ctypes.Structure):
@@ -412,7 +458,8 @@ class DecoderLayers:
 
     ``layers``: per layer a dict of ``ln1``, ``ln2`` (norm weights), ``qkv``, ``o``, ``gate_up``, ``down``
     (packed panels) and ``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
-    [2, kv_heads, blocks, block_size, head_dim] slice of the pool; ``cos`` / ``sin`` as ``rope_`` takes them."""
+    [2, kv_heads, blocks, block_size, head_dim] slice of the pool; ``cos`` / ``sin`` as ``rope_`` takes them.
+    Int8 weights (``pack_weight_int8``) come with their scales as ``qkv_scale``, ... (absent or None: fp32)."""
 
     def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list[torch.Tensor], cos: torch.Tensor,
                  sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int):
@@ -423,9 +470,12 @@ class DecoderLayers:
                   "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
         for layer, kv in zip(layers, kv_layers):
             for name, (k, n) in widths.items():
-                w, bias = layer[name], layer.get(name + "_bias")
-                _require(w.dtype == torch.float32 and w.is_contiguous() and w.shape == (n // GEMM_PANEL, k, GEMM_PANEL)
-                         and (bias is None or (bias.shape == (n,) and bias.is_contiguous())), f"packed {name} panels")
+                w, bias, w_scale = layer[name], layer.get(name + "_bias"), layer.get(name + "_scale")
+                _require(w.dtype == (torch.float32 if w_scale is None else torch.int8) and w.is_contiguous()
+                         and w.shape == (n // GEMM_PANEL, k, GEMM_PANEL)
+                         and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
+                         and (w_scale is None or (w_scale.shape == (n,) and w_scale.dtype == torch.float32
+                                                  and w_scale.is_contiguous())), f"packed {name} panels")
             _require(kv.is_contiguous() and kv.shape == kv_layers[0].shape and kv.dtype == torch.float32,
                      "contiguous fp32 cache layers of one shape")
         _require(cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
@@ -435,7 +485,8 @@ class DecoderLayers:
         self.kept = (layers, kv_layers, cos, sin)           # the structs point into these
         self.layers = (_Layer * len(layers))(*[
             _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-                                                  "gate_up_bias", "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr())
+                                                  "gate_up_bias", "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr(),
+                   *[ptr(layer.get(f)) for f in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")])
             for layer, kv in zip(layers, kv_layers)])
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, piece, eps, scale,
                             cos.data_ptr(), sin.data_ptr())
@@ -488,5 +539,9 @@ class DecoderLayers:
         return x[:step.keep]
 
 
-if __name__ == "__main__":          # python -m tokenfleet_serving.engine.cpu_kernels: prebuild (images)
-    print(build())
+if __name__ == "__main__":
+    # python -m tokenfleet_serving.engine.cpu_kernels [--all-variants]: prebuild this host's variant, or
+    # every variant (images: built on one host, run on AVX2-only and AVX-512 hosts alike)
+    import sys
+    for path in ([build(flags=f) for f in variants()] if "--all-variants" in sys.argv[1:] else [build()]):
+        print(path)

@@ -8,6 +8,7 @@ next ``step()``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,38 +17,21 @@ from pathlib import Path
 
 import torch
 
+from . import continuation as cont_
 from .batch import SeqChunk, build_batch
+from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
-from .loader import load_checkpoint
+from .loader import load_checkpoint, load_config
 from .model import LlamaModel
-from .request import Request, RequestOutput, RequestStatus
+from .quantization import parse_quantization
+from .request import Request, RequestOutput, TokenLogprob
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .speculative import SpecDecodeStats, SpeculativeConfig, Speculator
+from .tokenizer import IncrementalDetokenizer
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 (fp16 on pre-Ampere) on CUDA; on CPU bf16 only with native bf16 units, else fp32
-    (bf16 matmuls on AVX2-only CPUs run many times slower than fp32)."""
-    if requested != "auto":
-        if requested not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {requested!r}")
-        return DTYPES[requested]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+log = logging.getLogger("tokenfleet.engine")
 
 
 def usable_cpus() -> int:
@@ -72,6 +56,9 @@ class EngineConfig:
     num_threads: int | None = None
     load_tokenizer: bool = True
     cpu_kernels: bool = True            # compiled fp32 CPU kernels (cpu_kernels.py); False: PyTorch only
+    quantization: str = "none"          # "int8": weight-only int8 linears, quantized at load (quantization.py)
+    speculative: SpeculativeConfig | None = None    # speculative decoding (speculative.py); None: off
+    load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
 
 
 @dataclass
@@ -89,6 +76,7 @@ class EngineStats:
     prompt_tokens: int                 # prompt tokens computed
     generation_tokens: int
     finished: dict[str, int] = field(default_factory=dict)   # finish_reason -> count
+    spec_decode: SpecDecodeStats | None = None                # None: speculative decoding is off
 
 
 class LLMEngine:
@@ -98,12 +86,19 @@ class LLMEngine:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cpus())
-        self.device, self.dtype = device, choose_dtype(config.dtype, device)
-        ckpt = load_checkpoint(config.model, dtype=self.dtype, with_tokenizer=config.load_tokenizer)
+        self.quantization = parse_quantization(config.quantization)
+        self.dtype_choice = choose_dtype(config.dtype, device, load_config(config.model), config.cpu_kernels,
+                                         self.quantization)
+        self.device, self.dtype = device, self.dtype_choice.dtype
+        # int8 quantizes from the checkpoint's full precision (fp32 holds bf16 and fp16 exactly)
+        load_dtype = torch.float32 if self.quantization == "int8" else self.dtype
+        ckpt = load_checkpoint(config.model, dtype=load_dtype, with_tokenizer=config.load_tokenizer,
+                               load_format=config.load_format)
+        self.startup_marks = {"weights_loaded": time.monotonic()}      # server/startup.py reports them
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
         self.max_model_len = min(config.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
         self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len,
-                                use_kernels=config.cpu_kernels)
+                                use_kernels=config.cpu_kernels, quantization=self.quantization)
         del ckpt
         if config.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {config.block_size}")
@@ -115,23 +110,29 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.kv)
+        self.speculator = (Speculator(config.speculative, self.model, config.model, num_blocks, config.block_size,
+                                      self.max_model_len, config.cpu_kernels) if config.speculative else None)
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.token_id(self.tokenizer.eos_token) is not None:
-            eos.add(self.tokenizer.token_id(self.tokenizer.eos_token))
+        eos_id = self.tokenizer.token_id(self.tokenizer.eos_token) if self.tokenizer is not None else None
+        if eos_id is not None:
+            eos.add(eos_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.requests: dict[str, Request] = {}
         self.aborted: list[Request] = []
         self.generation_tokens = 0
         self.finished_counts: dict[str, int] = {}
         self.lock = threading.RLock()
+        self.startup_marks["kernels_ready"] = time.monotonic()
 
     @classmethod
-    def from_pretrained(cls, model: str | Path, **kwargs) -> "LLMEngine":
+    def from_pretrained(cls, model: str | Path, **kwargs) -> LLMEngine:
         return cls(EngineConfig(model=str(model), **kwargs))
 
     # ---- requests --------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, continuation: cont_.Continuation | None = None) -> None:
+        """Queue a request. ``continuation``: output another replica already delivered for it, taken as this
+        request's own (``continuation.py``)."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -146,9 +147,13 @@ class LLMEngine:
         if -(-worst // self.kv.block_size) > self.kv.pool.num_blocks:
             raise ValueError(f"request needs up to {worst} tokens of KV cache; the pool holds "
                              f"{self.kv.pool.num_blocks * self.kv.block_size}")
+        if continuation is not None:
+            cont_.check(continuation, n, params.max_tokens, vocab, self.max_model_len)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        if continuation is not None:
+            cont_.apply(req, continuation, vocab)
         with self.lock:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -171,25 +176,96 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self.lock:
+            started = time.perf_counter()
             outputs = [self._output(r) for r in self.aborted]
             self.aborted.clear()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return outputs
-            chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n],
-                               r.num_computed_tokens, self.kv.block_table(r.request_id),
-                               r.num_computed_tokens + n == r.num_tokens) for r, n in scheduled]
+            chunks, owners = [], []
+            for r, n in scheduled:
+                start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
+                if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
+                    for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
+                        chunks.append(SeqChunk([token], start + i, table, True))
+                        owners.append(r)
+                    continue
+                chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
+                owners.append(r)
             batch = build_batch(chunks, self.kv.block_size, self.device, self.model.compiled_prefill)
+            forward_started = time.perf_counter()
             logits = self.model.forward(batch)
-            to_sample = [scheduled[i][0] for i in batch.sample_order]
-            tokens, logprobs = sample(logits, to_sample) if to_sample else ([], [])
+            forward_seconds = time.perf_counter() - forward_started
+            rows = [owners[i] for i in batch.sample_order]          # one per logits row
             for req, n in scheduled:
                 req.num_computed_tokens += n
-            for req, token, lp in zip(to_sample, tokens, logprobs):
-                self._append(req, token, lp)
+            speculated = [r for r, _ in scheduled if r.spec_token_ids]
+            plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
+            to_sample = [rows[i] for i in plain]
+            if to_sample:
+                sampled = self._sample_isolated(logits[plain] if speculated else logits, to_sample)
+                for req, token, lp in sampled:
+                    self._append_isolated(req, token, lp)
+            if speculated:
+                assert self.speculator is not None
+                for req in speculated:
+                    self._verify_isolated(req, logits[[i for i, r in enumerate(rows) if r is req]])
+                to_sample = to_sample + speculated
             for req in to_sample:
                 outputs.append(self._output(req))
+            if self.speculator is not None:
+                self.speculator.step_done(bool(speculated), time.perf_counter() - started, forward_seconds)
             return outputs
+
+    # ---- per-request failure isolation -----------------------------------
+    # An exception raised while sampling or appending one request's token fails
+    # that request alone (finish_reason "error", its blocks freed); the rest of
+    # the batch goes on. Anything else in step() (scheduling, the forward pass)
+    # cannot be pinned on one request and propagates: the engine is broken.
+    def _sample_isolated(self, logits: torch.Tensor, reqs: list[Request]
+                         ) -> list[tuple[Request, int, TokenLogprob | None]]:
+        """(request, token, logprob) for each request that could be sampled; the others are failed."""
+        try:
+            tokens, logprobs = sample(logits, reqs)
+            return list(zip(reqs, tokens, logprobs))
+        except Exception:  # noqa: BLE001 - find the request(s) at fault: sample each row alone
+            pass           # (sample() draws nothing before every row checks out, so no generator moved)
+        out: list[tuple[Request, int, TokenLogprob | None]] = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens, logprobs = sample(logits[i:i + 1], [req])
+                out.append((req, tokens[0], logprobs[0]))
+            except Exception as e:  # noqa: BLE001 - this request alone is failed
+                self._fail(req, e)
+        return out
+
+    def _verify_isolated(self, req: Request, logits: torch.Tensor) -> None:
+        """Accept what the target's logits confirm of a request's drafts (one failure fails it alone)."""
+        assert self.speculator is not None
+        try:
+            result = self.speculator.verify(req, logits)
+            for i, token in enumerate(result.tokens):
+                self._append(req, token, result.logprobs[i] if result.logprobs else None)
+                if req.is_finished:
+                    break
+        except Exception as e:  # noqa: BLE001 - this request alone is failed
+            self._fail(req, e)
+
+    def _append_isolated(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
+        try:
+            self._append(req, token, lp)
+        except Exception as e:  # noqa: BLE001 - this request alone is failed
+            self._fail(req, e)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        log.error("request %s failed in the engine: %s: %s", req.request_id, type(error).__name__, error,
+                  exc_info=error)
+        req.error = f"{type(error).__name__}: {error}"
+        if not req.is_finished:
+            self.scheduler.finish(req, "error")
+        req.finish_reason = "error"
 
     def _append(self, req: Request, token: int, lp) -> None:
         req.append_token(token)
@@ -202,7 +278,8 @@ class LLMEngine:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
-        if req.detokenizer is not None and not (reason and token in self.tokenizer.special_token_ids):
+        special = self.tokenizer.special_token_ids if self.tokenizer is not None else ()
+        if req.detokenizer is not None and not (reason and token in special):
             before = len(req.output_text)
             req.output_text += req.detokenizer.push([token])
             if p.stop and reason is None:
@@ -231,11 +308,12 @@ class LLMEngine:
             finished=finished, finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids), num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=req.pending_logprobs if req.params.logprobs is not None else None,
-            stop_reason=req.stop_reason)
+            stop_reason=req.stop_reason, error=req.error)
         req.pending_token_ids, req.pending_logprobs = [], []
         if finished:
             self.requests.pop(req.request_id, None)
-            self.finished_counts[req.finish_reason] = self.finished_counts.get(req.finish_reason, 0) + 1
+            reason = req.finish_reason or "unknown"
+            self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
         return out
 
     # ---- observability ---------------------------------------------------
@@ -248,7 +326,8 @@ class LLMEngine:
                 prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
                 num_preemptions=c.num_preemptions, num_chunked_prefills=c.num_chunked_prefills,
                 num_steps=c.num_steps, prompt_tokens=c.num_prompt_tokens,
-                generation_tokens=self.generation_tokens, finished=dict(self.finished_counts))
+                generation_tokens=self.generation_tokens, finished=dict(self.finished_counts),
+                spec_decode=self.speculator.stats.copy() if self.speculator is not None else None)
 
     def cached_block_hashes(self) -> list[str]:
         """Hex sha256 chain hashes of every cached full block (spec in block_pool.py)."""

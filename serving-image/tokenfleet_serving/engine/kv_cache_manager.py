@@ -1,9 +1,10 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookups."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .block_pool import BlockPool
+from .block_pool import ROOT_HASH, BlockPool
 from .request import Request
 
 
@@ -36,7 +37,7 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req``; False if the pool is short."""
         table = self.block_tables.get(req.request_id, [])
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -51,8 +52,10 @@ class KVCacheManager:
             req.update_block_hashes(self.block_size)
             start = self._num_hashed.get(req.request_id, 0)
             full = min(total // self.block_size, len(req.block_hashes))
+            bs = self.block_size
             for i in range(start, full):
-                self.pool.cache(table[i], req.block_hashes[i])
+                parent = req.block_hashes[i - 1] if i else ROOT_HASH
+                self.pool.cache(table[i], req.block_hashes[i], (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
             self._num_hashed[req.request_id] = max(start, full)
         return True
 

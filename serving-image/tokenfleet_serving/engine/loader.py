@@ -73,20 +73,37 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+LOAD_FORMATS = ("mmap", "read")
+
+
+def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 load_format: str = "mmap") -> dict[str, torch.Tensor]:
+    """The model's tensors in ``dtype``. ``mmap``: views of the memory-mapped files where the dtype already
+    matches (``safetensors_mmap.py``: no copy until the model packs them); ``read``: every tensor read into
+    memory of its own first (safetensors' ``get_tensor``)."""
     from safetensors import safe_open
 
+    from .safetensors_mmap import mapped_tensors
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     directory = Path(directory)
     wanted = expected_tensors(config)
     weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(directory):
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name in wanted:
-                        weights[name] = f.get_tensor(name).to(dtype)
+            if load_format == "mmap":
+                found = mapped_tensors(path, set(wanted))
+            else:
+                with safe_open(str(path), framework="pt") as f:
+                    found = {name: f.get_tensor(name) for name in f.keys() if name in wanted}
         except Exception as exc:  # safetensors raises several error types for corrupt files
             raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+        for name, tensor in found.items():
+            if not tensor.is_floating_point():     # a quantized checkpoint's integer tensors, say
+                raise CheckpointError(f"{path}: tensor '{name}' is {tensor.dtype}; this engine loads "
+                                      "float (bf16/fp16/fp32) weights only")
+            weights[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
     for name, shape in wanted.items():
         if name not in weights:
             raise CheckpointError(f"{directory}: tensor '{name}' not found in any *.safetensors file")
@@ -97,11 +114,11 @@ def load_weights(directory: str | Path, config: ModelConfig, dtype: torch.dtype)
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
-                    with_tokenizer: bool = True) -> Checkpoint:
+                    with_tokenizer: bool = True, load_format: str = "mmap") -> Checkpoint:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory not found")
     config = load_config(directory)
-    weights = load_weights(directory, config, dtype)
+    weights = load_weights(directory, config, dtype, load_format)
     tokenizer = load_tokenizer(directory) if with_tokenizer else None
     return Checkpoint(directory, config, weights, tokenizer)

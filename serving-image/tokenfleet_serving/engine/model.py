@@ -10,6 +10,7 @@ values in one call and yields contiguous [kv_heads, tokens, head_dim] views.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .batch import PagedGroup, StepBatch
 from .config import ModelConfig
+from .quantization import Int8Linear
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -59,7 +61,10 @@ class Linear:
     SMALL, PIECE = 256, 2048
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kernels=None):
-        self.bias, self.weight, self.packed, self.panels, self.kernels = bias, weight, None, None, kernels
+        self.bias, self.kernels = bias, kernels
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
         if cpu_kernels.gemm_packs(kernels, weight):
             self.panels, self.weight = cpu_kernels.pack_weight(kernels, weight), None
         elif pack:
@@ -70,6 +75,7 @@ class Linear:
             y = cpu_kernels.linear(self.kernels, x, self.panels)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed is None:
+            assert self.weight is not None
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if rows <= self.SMALL:
@@ -90,8 +96,13 @@ class Linear:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_model_len: int, use_kernels: bool = True):
+                 dtype: torch.dtype, device: torch.device, max_model_len: int, use_kernels: bool = True,
+                 quantization: str = "none"):
+        """``quantization`` 'int8': the decoder's linear weights in int8 (``quantization.py``), quantized here
+        from ``weights`` as given (pass them in fp32, or the checkpoint's own dtype, to quantize from full
+        precision)."""
         self.config, self.dtype, self.device = config, dtype, device
+        self.quantization = quantization
         # compiled C kernels (GEMM, attention over the pool, one-pass norm/SwiGLU/RoPE/KV write), fp32 CPU
         # only; None: PyTorch
         on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
@@ -99,25 +110,35 @@ class LlamaModel:
         # whether chunks of 2+ tokens can go through the compiled prefill attention (build_batch's flag;
         # else SDPA over gathered blocks)
         self.compiled_prefill = cpu_kernels.prefill_attends(self.kernels, config.head_dim)
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
         w = lambda name: weights[name].to(device=device, dtype=dtype).contiguous()
-        cat = lambda *names: torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
         pack = _onednn_packs(dtype, device)
-        lin = lambda weight, bias: Linear(weight, bias, pack, self.kernels)
+
+        def lin(names: tuple[str, ...], bias_names: tuple[str, ...] | None) -> Linear | Int8Linear:
+            """The linear of the concatenated weights (and biases) ``names``."""
+            weight = torch.cat([weights[n] for n in names])
+            bias = torch.cat([weights[n] for n in bias_names]).to(device=device, dtype=dtype) if bias_names else None
+            if quantization == "int8":     # from the weights as given, not cast to the compute dtype first
+                return Int8Linear(weight, bias, self.kernels, dtype, device, names[0])
+            return Linear(weight.to(device=device, dtype=dtype).contiguous(), bias, pack, self.kernels)
+
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = lin(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None)
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None, pack,
+                              self.kernels)
         self.norm = w("model.norm.weight")
-        self.layers = []
+        self.layers: list[dict[str, Any]] = []
         for n in range(config.num_layers):
             p = f"model.layers.{n}."
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(dict(
                 ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"),
-                qkv=lin(cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                        cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None),
-                o=lin(w(a + "o_proj.weight"), w(a + "o_proj.bias") if config.o_bias else None),
-                gate_up=lin(cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                            cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None),
-                down=lin(w(m + "down_proj.weight"), w(m + "down_proj.bias") if config.mlp_bias else None)))
+                qkv=lin((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                        (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.qkv_bias else None),
+                o=lin((a + "o_proj.weight",), (a + "o_proj.bias",) if config.o_bias else None),
+                gate_up=lin((m + "gate_proj.weight", m + "up_proj.weight"),
+                            (m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None),
+                down=lin((m + "down_proj.weight",), (m + "down_proj.bias",) if config.mlp_bias else None)))
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
         # rotate-half RoPE as x * cos2 + cat(x2, x1) * sin2, with the sign folded into sin2
         self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
@@ -131,6 +152,24 @@ class LlamaModel:
         # ``use_decoder_call = False`` keeps the Python layer loop over the same kernels
         self.decoder_call: cpu_kernels.DecoderLayers | None = None
         self.use_decoder_call = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model keeps (packed, quantized or plain; biases and scales included)."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        def linear(lin) -> int:
+            if isinstance(lin, Int8Linear):
+                return lin.weight_bytes
+            return size(lin.weight) + size(lin.packed) + size(lin.panels) + size(lin.bias)
+
+        tied = self.config.tie_word_embeddings      # the lm_head then reads the embedding (packed copy aside)
+        total = size(self.embed) + size(self.norm) + linear(self.lm_head) - (size(self.embed) if tied and
+                                                                             self.lm_head.weight is self.embed else 0)
+        for layer in self.layers:
+            total += size(layer["ln1"]) + size(layer["ln2"])
+            total += sum(linear(layer[n]) for n in ("qkv", "o", "gate_up", "down"))
+        return total
 
     # ---- KV pool -------------------------------------------------------
     def kv_block_bytes(self, block_size: int) -> int:
@@ -149,9 +188,12 @@ class LlamaModel:
         self.kv_pool = pool
         linears = ("qkv", "o", "gate_up", "down")
         self.decoder_call = None
-        if self.compiled_prefill and all(layer[n].panels is not None for layer in self.layers for n in linears):
+        if (self.kernels is not None and self.compiled_prefill
+                and all(layer[n].panels is not None and not getattr(layer[n], "padded", False)
+                        for layer in self.layers for n in linears)):
             weights = [dict(ln1=layer["ln1"], ln2=layer["ln2"],
-                            **{n: layer[n].panels for n in linears}, **{n + "_bias": layer[n].bias for n in linears})
+                            **{n: layer[n].panels for n in linears}, **{n + "_bias": layer[n].bias for n in linears},
+                            **{n + "_scale": getattr(layer[n], "scales", None) for n in linears})
                        for layer in self.layers]
             self.decoder_call = cpu_kernels.DecoderLayers(self.kernels, weights, self.kv_layers, self.cos, self.sin,
                                                           c.num_heads, c.rms_norm_eps, self.scale, Linear.PIECE)
@@ -209,6 +251,7 @@ class LlamaModel:
         out = torch.empty(q.shape[0], H * hd, dtype=q.dtype, device=q.device)
         p = batch.prefill_sampled if sampled_only else batch.prefill
         if p is not None:                                        # chunks of 2+ tokens, keys from the pool
+            assert self.kernels is not None, "batches carry prefill chunks only for the compiled kernels"
             cpu_kernels.prefill_attention(self.kernels, q, kv[0], kv[1], p.tables, p.q_rows, p.n_q, p.starts,
                                           out, self.scale, p.ends)
         for grp in batch.groups:

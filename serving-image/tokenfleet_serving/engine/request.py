@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .block_pool import ROOT_HASH, hash_prefix_blocks
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -31,12 +35,13 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None          # "stop", "length", "abort" or None while running
+    finish_reason: str | None          # "stop", "length", "abort", "error" or None while running
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int             # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    error: str | None = None           # finish_reason "error": what failed (this request alone)
 
 
 class Request:
@@ -55,6 +60,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None      # set when the engine failed this request alone
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -62,7 +68,8 @@ class Request:
         # pending output since the last report
         self.pending_token_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
-        self.detokenizer = None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.spec_token_ids: list[int] = []      # draft tokens to verify in the next step (speculative.py)
         self.output_text = ""
         self.reported_text_len = 0
 

@@ -4,12 +4,31 @@ Order of operations per row: penalties -> (greedy: argmax) | temperature ->
 top-k -> top-p -> min-p -> draw with the request's own generator (seeded
 requests are reproducible regardless of batch composition). Logprobs are
 reported from the raw model distribution (before penalties and temperature).
+
+Numerics: every row that is penalized or sampled is penalized and scaled in
+float64, and temperature scales the logits' distances from their maximum,
+``(logits - max) / T``, which is <= 0 everywhere and exactly 0 at the maximum.
+So any temperature above 0, down to the smallest double, gives a proper
+distribution (at tiny temperatures, all mass on the maximum or split among
+tied maxima: the limit the formula has), and the bounds in
+``sampling_params.py`` keep the penalties' factors finite. A row that still
+cannot be sampled (the model produced a non-finite logit) raises
+:class:`SamplingError` naming its request, so the engine fails that request
+alone.
 """
 from __future__ import annotations
 
 import torch
 
 from .request import Request, TokenLogprob
+
+
+class SamplingError(RuntimeError):
+    """One request's row could not be sampled; the message names the request."""
+
+    def __init__(self, request_id: str, why: str):
+        super().__init__(f"request {request_id}: {why}")
+        self.request_id = request_id
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
@@ -21,6 +40,11 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=row.numel())[: row.numel()]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the temperature, shifted so that the maximum is 0 (finite for any T > 0)."""
+    return (logits - logits.max()) / temperature
 
 
 def filter_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -40,29 +64,46 @@ def filter_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -
     return probs / probs.sum()
 
 
+def _check_finite(row: torch.Tensor, req: Request, what: str) -> None:
+    if not bool(torch.isfinite(row).all()):
+        raise SamplingError(req.request_id, f"{what} contain NaN or infinity")
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Next token (and logprobs when asked) per row. Every row's distribution is computed and checked
+    before any row draws, so a SamplingError leaves every request's generator untouched."""
     simple = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in requests)
     if simple:                    # the common greedy batch: argmax where the logits are
         return logits.argmax(dim=-1).tolist(), [None] * len(requests)
     raw = logits.float().cpu()    # per-request generators live on the CPU
-    work = raw
-    if any(r.params.needs_penalties for r in requests):
-        work = raw.clone()
-        for i, r in enumerate(requests):
-            if r.params.needs_penalties:
-                apply_penalties(work[i], r)
-    tokens = work.argmax(dim=-1).tolist()
+    tokens = raw.argmax(dim=-1).tolist()
+    draws: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(requests):
         p = r.params
-        if p.greedy:
+        if p.logprobs is not None or p.needs_penalties or not p.greedy:
+            _check_finite(raw[i], r, "the model's logits")
+        if not p.needs_penalties and p.greedy:
             continue
-        probs = filter_probs(work[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator).item())
+        work = raw[i].double()
+        if p.needs_penalties:
+            apply_penalties(work, r)
+            _check_finite(work, r, "the penalized logits")
+        if p.greedy:
+            tokens[i] = int(work.argmax())
+            continue
+        # scaled in float64 (T may be 5e-324), filtered in float32: every value is <= 0 with a 0 at the
+        # maximum, so the cast can only round far-off tokens down to -inf, and the sort costs what it did
+        probs = filter_probs(scale(work, p.temperature).float(), p.top_k, p.top_p, p.min_p)
+        _check_finite(probs, r, "the sampling probabilities")
+        draws.append((i, probs))
+    for i, probs in draws:
+        tokens[i] = int(torch.multinomial(probs, 1, generator=requests[i].generator).item())
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     for i, r in enumerate(requests):
         if r.params.logprobs is not None:
             lp = torch.log_softmax(raw[i], dim=-1)
-            top = torch.topk(lp, r.params.logprobs) if r.params.logprobs else None
+            k = min(r.params.logprobs, lp.numel())
+            top = torch.topk(lp, k) if k else None
             logprobs[i] = TokenLogprob(
                 token_id=tokens[i], logprob=float(lp[tokens[i]]),
                 top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])

@@ -1,7 +1,18 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+The bounds are those the sampler can compute (``sampler.py``): every float is
+finite; the repetition penalty divides or multiplies a logit by at most
+``1 / MIN_REPETITION_PENALTY`` or ``MAX_REPETITION_PENALTY``, which keeps every
+penalized logit finite. Temperature needs no lower bound above 0: the sampler
+scales distances from the maximum logit, which stay finite for any T > 0.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,10 @@ class SamplingParams:
             return ValueError(f"sampling parameter '{name}' {why}, got {getattr(self, name)!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -35,16 +50,16 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must be an integer in [-2**63, 2**64)")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):

@@ -67,6 +67,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
+        victim.spec_token_ids.clear()
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.counters.num_preemptions += 1
@@ -85,8 +86,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            del req.spec_token_ids[max(n - 1, 0):]          # draft tokens (speculative.py) fit the budget
             while not self.kv.allocate_slots(req, n):
+                if req.spec_token_ids:                       # short of blocks: drop the drafts before preempting
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids.clear()
+                    continue
                 victim = self._preempt()
                 preempted = True
                 if victim is req:
@@ -110,10 +116,10 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, n, cached):
                     break
                 self.waiting.popleft()
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_cached
+                if req.num_cached_tokens < 0:    # prompt tokens only (a continued request's output may hit too)
+                    req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
                     self.kv.stats.queries += req.num_prompt_tokens
-                    self.kv.stats.hits += num_cached
+                    self.kv.stats.hits += req.num_cached_tokens
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
