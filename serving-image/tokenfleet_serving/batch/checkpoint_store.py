@@ -26,9 +26,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class StoreError(RuntimeError):
@@ -73,7 +74,7 @@ class Commit:
                 "finished": self.finished, "committedAt": self.committed_at, "run": self.run}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Commit":
+    def from_json(cls, d: dict[str, Any]) -> Commit:
         return cls(d["id"], int(d["round"]), d.get("parent"), dict(d["job"]), bool(d["finished"]),
                    float(d["committedAt"]), d.get("run", ""))
 

@@ -18,9 +18,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .checkpoint_store import CheckpointStore, Commit, StoreError
 
@@ -117,7 +118,7 @@ def run_member(store: CheckpointStore, items: list[dict[str, Any]], digest: str,
         progress.computed_items += len(positions)
         if member.leader:
             started = time.monotonic()
-            _wait(lambda: store.staged(run, round_, member.hosts), wait_s, poll_s,
+            _wait(lambda r=round_: store.staged(run, r, member.hosts), wait_s, poll_s,
                   f"round {round_}: not every member staged it")
             head = store.commit_round(run, round_, member.hosts, head, job, finished=round_ == total)
             progress.latest, progress.committed_round = head, round_

@@ -1,10 +1,13 @@
 """``tokenfleet batch --model DIR --input FILE``: one member of a checkpointed batch-inference gang.
 
-Run as the member pods of a ``role: batch`` Slice. The operator sets TOKENFLEET_MEMBER_INDEX,
-TOKENFLEET_SLICE_HOSTS, TOKENFLEET_ATTEMPT, TOKENFLEET_REVISION, TOKENFLEET_CHECKPOINT_DIR (the mounted
-checkpoint store) and, on a gang restart, TOKENFLEET_RESTORE_FROM; every one of them can be given as a
-flag instead. The input has one JSON object per line: ``prompt`` (text), ``prompt_token_ids`` or
-``messages`` (chat), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``. The
+Run as the member pods of a ``role: batch`` Slice. The operator sets the ``contract.pod_env`` variables:
+TOKENFLEET_MEMBER_INDEX, TOKENFLEET_SLICE_HOSTS, TOKENFLEET_ATTEMPT, TOKENFLEET_REVISION,
+TOKENFLEET_CHECKPOINT_DIR (the mounted checkpoint store) and, on a gang restart, TOKENFLEET_RESTORE_FROM;
+every one of them can be given as a flag instead. When the job is done the leader leaves its final commit in
+its termination message (``contract.termination``), where the operator reads it.
+
+The input has one JSON object per line: ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat), and
+optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``. The
 results of the whole job land in ``CHECKPOINT_DIR/RESULT.jsonl``, in input order, each exactly once.
 
 Exit codes: 0 when the job is done, 1 when it failed (a gang restart resumes it), 2 for bad input or
@@ -20,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+from tokenfleet_serving.contract import termination
+from tokenfleet_serving.contract.pod_env import PodEnv
 from tokenfleet_serving.engine.sampling_params import SamplingParams
 
 from .checkpoint_store import CheckpointStore, StoreError
@@ -27,7 +32,6 @@ from .job import JobError, Member, Progress, num_rounds, read_items, run_member
 
 log = logging.getLogger("tokenfleet.batch")
 
-OPERATOR_AGENT = "tokenfleet-operator"     # the User-Agent of the operator's reads of the leader's /metrics
 ITEM_KEYS = {"id", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "seed"}
 
 
@@ -40,13 +44,13 @@ def store_dir(args_dir: str | None) -> str:
     """The checkpoint directory: --checkpoint-dir, TOKENFLEET_CHECKPOINT_DIR, or a file:// store."""
     if args_dir:
         return args_dir
-    if os.environ.get("TOKENFLEET_CHECKPOINT_DIR"):
-        return os.environ["TOKENFLEET_CHECKPOINT_DIR"]
-    store = os.environ.get("TOKENFLEET_CHECKPOINT_STORE", "")
+    if os.environ.get(PodEnv.CHECKPOINT_DIR):
+        return os.environ[PodEnv.CHECKPOINT_DIR]
+    store = os.environ.get(PodEnv.CHECKPOINT_STORE, "")
     if store.startswith("file://"):
         return store[len("file://"):]
-    raise JobError(f"no checkpoint directory: pass --checkpoint-dir or set TOKENFLEET_CHECKPOINT_DIR "
-                   f"(TOKENFLEET_CHECKPOINT_STORE={store!r} is not a mounted store)")
+    raise JobError(f"no checkpoint directory: pass --checkpoint-dir or set {PodEnv.CHECKPOINT_DIR.value} "
+                   f"({PodEnv.CHECKPOINT_STORE.value}={store!r} is not a mounted store)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: resume after the latest commit when $TOKENFLEET_RESTORE_FROM is set")
     p.add_argument("--host", default="0.0.0.0", help="address of /metrics")
     p.add_argument("--port", type=int, default=8000, help="port of /metrics (0: none)")
-    p.add_argument("--report-timeout", type=float, default=15.0,
-                   help="seconds the leader keeps /metrics up after the last commit, until the operator has "
-                        "read it once (so status.checkpoint shows the final commit)")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the other members")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-mb", type=positive_int, default=256)
@@ -107,7 +108,8 @@ def sampling(item: dict[str, Any], max_tokens: int) -> SamplingParams:
 class EngineCompute:
     """Items -> results with the engine: all of a round's items in one continuous batch. An item the
     model cannot take (no tokenizer or chat template, a prompt token out of the vocabulary, a prompt
-    longer than the context) gets an ``error`` result, committed like any other: it is not retried."""
+    longer than the context) or the engine failed alone gets an ``error`` result, committed like any
+    other: it is not retried."""
 
     def __init__(self, engine, max_tokens: int, progress: Progress):
         self.engine, self.max_tokens, self.progress = engine, max_tokens, progress
@@ -144,6 +146,9 @@ class EngineCompute:
                 results.append({"id": item.get("id"), "error": prompt})
                 continue
             out = outs[i]
+            if out.finish_reason == "error":     # the engine failed this item alone (engine.py); not retried
+                results.append({"id": item.get("id"), "error": f"generation failed: {out.error}"})
+                continue
             self.progress.output_tokens += len(out.new_token_ids)
             results.append({"id": item.get("id"), "text": out.text_delta, "token_ids": out.new_token_ids,
                             "finish_reason": out.finish_reason, "prompt_tokens": len(prompt),
@@ -151,10 +156,8 @@ class EngineCompute:
         return results
 
 
-def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, commit_seconds,
-                  scraped: threading.Event) -> None:
-    """/metrics with this member's progress (and /health, 200 while the process runs). ``scraped`` is
-    set whenever the operator (User-Agent tokenfleet-operator) reads /metrics."""
+def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, commit_seconds) -> None:
+    """/metrics with this member's progress (and /health, 200 while the process runs)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from prometheus_client import CollectorRegistry, generate_latest
@@ -192,8 +195,6 @@ def serve_metrics(host: str, port: int, progress: Progress, total_rounds: int, c
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            if path == "/metrics" and self.headers.get("User-Agent", "").startswith(OPERATOR_AGENT):
-                scraped.set()
 
         def log_message(self, *args):
             pass
@@ -208,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        member = Member(args.member if args.member is not None else _env_int("TOKENFLEET_MEMBER_INDEX", 0),
-                        args.hosts or _env_int("TOKENFLEET_SLICE_HOSTS", 1),
-                        args.attempt if args.attempt is not None else _env_int("TOKENFLEET_ATTEMPT", 0),
-                        os.environ.get("TOKENFLEET_REVISION") or "local")
+        member = Member(args.member if args.member is not None else _env_int(PodEnv.MEMBER_INDEX, 0),
+                        args.hosts or _env_int(PodEnv.SLICE_HOSTS, 1),
+                        args.attempt if args.attempt is not None else _env_int(PodEnv.ATTEMPT, 0),
+                        os.environ.get(PodEnv.REVISION) or "local")
         if not 0 <= member.index < member.hosts:
             raise JobError(f"member {member.index} is outside 0..{member.hosts - 1}")
         store = CheckpointStore(store_dir(args.checkpoint_dir))
@@ -221,19 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     except (JobError, OSError) as e:
         log.error("%s", e)
         return 2
-    resume = {"always": True, "never": False}.get(args.resume, bool(os.environ.get("TOKENFLEET_RESTORE_FROM")))
+    resume = {"always": True, "never": False}.get(args.resume, bool(os.environ.get(PodEnv.RESTORE_FROM)))
 
     from prometheus_client import Histogram
 
     from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 
-    progress, scraped = Progress(), threading.Event()
+    progress = Progress()
     commit_seconds = Histogram("tokenfleet_batch_checkpoint_commit_seconds", "Leader: from staging its round to "
                                "the commit (waiting for the other members included)", registry=None,
                                buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
     if args.port:
         serve_metrics(args.host, args.port, progress, num_rounds(len(items), member.hosts, args.items_per_round),
-                      commit_seconds, scraped)
+                      commit_seconds)
     try:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
                                         kv_cache_bytes=args.kv_cache_mb * 2**20, num_threads=args.num_threads))
@@ -255,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     except (StoreError, OSError) as e:
         log.error("checkpoint store %s: %s", store.root, e)
         return 1
-    log.info("member %d done in %.1f s: %d items computed here, job committed in %s", member.index,
-             time.monotonic() - started, progress.computed_items, head.id)
-    if member.leader and args.port:
-        scraped.clear()
-        scraped.wait(args.report_timeout)     # let the operator read the final commit
+    log.info("member %d of slice %s done in %.1f s: %d items computed here, job committed in %s", member.index,
+             os.environ.get(PodEnv.SLICE, "-"), time.monotonic() - started, progress.computed_items, head.id)
+    if member.leader:
+        saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.committed_at))
+        termination.write_checkpoint(head.id, saved)     # the operator reads it from the pod's status
     return 0
 

@@ -10,6 +10,12 @@ with ``Retry-After`` and an OpenAI error body.
 
 Every response carries ``x-tokenfleet-backend`` (the pod that served it) and
 ``x-tokenfleet-route-reason``.
+
+Trust: with client keys (``auth.py``) every ``/v1/*`` request must carry one,
+else 401. The client's ``Authorization`` header never reaches a backend: the
+router sends its own backend key instead (the replicas' ``--api-key``), which
+clients never see. Every error the router itself answers is an OpenAI error
+body, down to what aiohttp refuses before a handler runs (``server/connection.py``).
 """
 from __future__ import annotations
 
@@ -17,47 +23,103 @@ import asyncio
 import itertools
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tokenfleet_serving.router.config import ConfigError, RouterConfig, load_endpoints
+from tokenfleet_serving.contract.router_files import ConfigError, RouterConfig, ScaleFromZero, load_endpoints
+from tokenfleet_serving.engine.tokenizer import Tokenizer
+from tokenfleet_serving.router.auth import ClientKeys
 from tokenfleet_serving.router.metrics import RouterMetrics
+from tokenfleet_serving.router.migration import (
+    BACKEND_ERROR,
+    DISCONNECTED,
+    DONE_EVENT,
+    MIGRATION_WAIT_S,
+    NO_BACKEND,
+    TARGET_ERROR,
+    StreamState,
+    error_event,
+    failure_message,
+    is_done,
+    migratable_error,
+    sse_event,
+)
+from tokenfleet_serving.router.observe import (
+    SseEvents,
+    Timing,
+    ask_for_usage,
+    carries_output,
+    completion_tokens,
+    event_json,
+    is_usage_only,
+    meets_slo,
+)
 from tokenfleet_serving.router.policy import SESSION, PolicyParams, RouteRequest, choose, choose_tier
 from tokenfleet_serving.router.prefix import block_hashes
-from tokenfleet_serving.engine.tokenizer import Tokenizer
 from tokenfleet_serving.router.prompt import prompt_info
-from tokenfleet_serving.router.state import Fleet, poll_forever
+from tokenfleet_serving.router.state import BackendState, Fleet, poll_forever
+from tokenfleet_serving.server.connection import DEFAULT_BODY_TIMEOUT_S, read_body, send_and_close
+from tokenfleet_serving.server.protocol import ApiError, error_body, parse_json_body
 
 log = logging.getLogger("tokenfleet.router")
 
 MAX_ATTEMPTS = 3
+MAX_HELD_REQUESTS = 1024        # requests held at once while no replica is ready (noReplicaHoldSeconds)
+MAX_OBSERVED_BODY = 16 * 2**20      # a non-streamed response is parsed for its usage up to this size
 RETRY_AFTER_S = "1"
+# Request headers not passed on: hop-by-hop ones, and the client's credentials (the router sends its own).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"})
+                        "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+                        "authorization", "cookie"})
 RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Length", "Content-Encoding", "Retry-After", "Cache-Control",
                             "X-Request-Id")
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "request_too_large", 500: "server_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+@dataclass
+class _Request:
+    """What the router needs to send one request again: to the next backend, or as a stream's continuation."""
+
+    path: str
+    body: Any
+    headers: dict[str, str]
+    hashes: tuple[str, ...]
+    tier: str
+    session_key: str | None
+    sequence: int
+    fallback: bool
+    tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
+
+    def excluded(self, fleet: Fleet) -> set[str]:
+        """The failed backends still at the address they failed at (a replacement pod of the same name, at
+        a new address, may take the request)."""
+        return {name for name, ip in self.tried.items()
+                if (b := fleet.backends.get(name)) is not None and b.endpoint.ip == ip}
+
+    def fail(self, backend: BackendState) -> None:
+        self.tried[backend.name] = backend.endpoint.ip
 
 
-def error_response(status: int, message: str, *, retry_after: bool = False) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if retry_after else None
-    return web.json_response(error_body(status, message), status=status, headers=headers)
+def error_response(status: int, message: str, *, retry_after: bool = False, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if retry_after:
+        headers["Retry-After"] = RETRY_AFTER_S
+    return web.json_response(error_body(status, message, param), status=status, headers=headers)
 
 
 class Router:
     def __init__(self, config: RouterConfig, endpoints_path: str | Path, tokenizer: Tokenizer | None, *,
                  poll_interval_s: float = 0.5, endpoints_interval_s: float = 1.0,
-                 backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096):
+                 backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096,
+                 client_keys: ClientKeys | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.config = config
+        self.client_keys = client_keys
+        self.body_timeout_s = body_timeout_s
         self.endpoints_path = Path(endpoints_path)
         self.endpoints_interval_s = endpoints_interval_s
         self.tokenizer = tokenizer
@@ -65,6 +127,10 @@ class Router:
         self.params = PolicyParams(config.policy, config.load_factor, config.kv_usage_threshold, config.load_slack)
         self.fleet = Fleet(config, interval_s=poll_interval_s)
         self.metrics = RouterMetrics(self.fleet, tokenizer is not None)
+        self.pending = 0                      # requests held while no replica is ready (scale from zero)
+        self.last_request_at = self.fleet.clock()
+        self.metrics.pending = lambda: self.pending
+        self.metrics.idle_s = lambda: self.fleet.clock() - self.last_request_at
         self.sequence = itertools.count()
         self.draining = False
         self._endpoints_text: bytes | None = None
@@ -75,7 +141,7 @@ class Router:
         self.app = self._build_app(max_body_bytes)
 
     def _build_app(self, max_body_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -133,12 +199,20 @@ class Router:
         while True:
             await asyncio.sleep(self.endpoints_interval_s)
             self.reload_endpoints()
+            if self.client_keys is not None:
+                self.client_keys.reload()
 
     # ---- middleware and probes -----------------------------------------------------------------
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
             response = await handler(request)
+        except ApiError as exc:
+            response = error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
+            if exc.close_connection:     # the body stopped arriving or cannot be decoded: answer, close at once
+                response = await send_and_close(request, response)
+            elif exc.status == 413:
+                response.force_close()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -146,7 +220,9 @@ class Router:
                        f"on {request.path}", 413: f"request body exceeds {self.max_body_bytes} bytes"}
             response = web.json_response(error_body(exc.status, message.get(exc.status, exc.reason)),
                                          status=exc.status)
-        except asyncio.CancelledError:
+            if exc.status == 413:
+                response.force_close()
+        except (asyncio.CancelledError, ConnectionResetError):   # cancelled, or the client went away
             raise
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
@@ -154,6 +230,14 @@ class Router:
         if request.path.startswith("/v1/"):
             self.metrics.responses.labels(code=str(response.status)).inc()
         return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.client_keys is not None and request.path.startswith("/v1/"):
+            if not self.client_keys.allows(request.headers.get("Authorization")):
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -164,9 +248,9 @@ class Router:
             reason = "draining"
         elif not self.fleet.endpoints_loaded:
             reason = self._endpoints_problem or f"{self.endpoints_path} not read yet"
-        elif not routable:
+        elif not routable and self._hold_limits() is None:
             reason = f"no ready backend among {len(self.fleet.backends)} listed"
-        else:
+        else:       # a router that may hold requests takes them while no replica is ready
             return web.json_response({"ready": True, "backends": len(routable)})
         return web.json_response({"ready": False, "reason": reason}, status=503)
 
@@ -184,14 +268,68 @@ class Router:
         self.metrics.requests.labels(backend="none", reason="no-backend", tier=tier).inc()
         return error_response(503, "no ready backend for this service; retry shortly", retry_after=True)
 
+    def _backend_headers(self, request: web.Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if self.backend_api_key:
+            headers["Authorization"] = f"Bearer {self.backend_api_key}"
+        return headers
+
+    def _hold_limits(self) -> ScaleFromZero | None:
+        """How many requests may wait for a replica, and how long: scale from zero's limits, else
+        ``noReplicaHoldSeconds`` (every replica failed or restarting at once); None: answer 503 at once."""
+        if self.config.scale_from_zero is not None:
+            return self.config.scale_from_zero
+        if self.config.no_replica_hold_s > 0:
+            return ScaleFromZero(MAX_HELD_REQUESTS, self.config.no_replica_hold_s)
+        return None
+
+    async def _hold(self, ctx: _Request | None = None) -> bool:
+        """No replica is ready (or none took the request): wait, bounded in count and time, until one is."""
+        hold = self._hold_limits()
+        if hold is None or self.pending >= hold.max_pending or not self.fleet.endpoints_loaded:
+            return False
+        self.pending += 1
+        try:
+            deadline = self.fleet.clock() + hold.timeout_s
+            while self.fleet.clock() < deadline:
+                excluded = ctx.excluded(self.fleet) if ctx is not None else set()
+                if any(b.name not in excluded for b in self.fleet.routable()):
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+        finally:
+            self.pending -= 1
+
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         if self.draining:
             return error_response(503, "the router is shutting down", retry_after=True)
-        raw = await request.read()
+        raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
+        body = parse_json_body(raw)      # what the server would refuse as a body, the router refuses alike
+        timing = Timing(self.fleet.clock(), stream=isinstance(body, dict) and body.get("stream") is True)
+        self.last_request_at = timing.arrived
+        cold = False
         try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the backend answers with the precise error
+            if not self.fleet.routable():
+                cold = await self._hold()
+            return await self._route(request, kind, path, body, raw, timing)
+        finally:
+            timing.finished = timing.finished or self.fleet.clock()
+            if not timing.client_error:      # a request the backend refused as invalid is not a service miss
+                self.metrics.observe(timing, meets_slo(self.config.slo, timing), cold)
+
+    async def _route(self, request: web.Request, kind: str, path: str, body: Any, raw: bytes,
+                     timing: Timing) -> web.StreamResponse:
+        client_wants_usage = True
+        stream: StreamState | None = None
+        if isinstance(body, dict) and "continuation" in body:
+            raise ApiError(400, "'continuation' is set by the router only (stream migration); send the request "
+                                "without it", "continuation")
+        if timing.stream and isinstance(body, dict):
+            client_wants_usage = ask_for_usage(body)
+            # token ids let the router continue the stream elsewhere if its backend fails (migration.py)
+            stream = StreamState(client_wants_token_ids=body.get("return_token_ids") is True)
+            body["return_token_ids"] = True
+            raw = json.dumps(body).encode()
         if self.tokenizer is not None and isinstance(body, dict):
             info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
         else:
@@ -209,30 +347,49 @@ class Router:
 
         affinity = self.config.session_affinity
         session_key = request.headers.get(affinity.header) if affinity.enabled else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        seq = next(self.sequence)
-        tried: set[str] = set()
+        ctx = _Request(path, body, self._backend_headers(request), hashes, tier.name, session_key,
+                       next(self.sequence), fallback)
+        opened = await self._open(ctx, raw)
+        if opened is None and await self._hold(ctx):     # none took it: wait for one to be back
+            opened = await self._open(ctx, raw)
+        if opened is None:
+            return self._no_backend(tier.name)
+        backend, reason, upstream, matched = opened
+        if hashes:
+            self.metrics.prefix_query_blocks.inc(len(hashes))
+            self.metrics.prefix_hit_blocks.inc(matched)
+        try:
+            return await self._relay(request, upstream, backend.name, reason, timing, client_wants_usage,
+                                     stream, ctx)
+        finally:
+            self._close(upstream, backend)
+
+    async def _open(self, ctx: _Request, raw: bytes
+                    ) -> tuple[BackendState, str, aiohttp.ClientResponse, int] | None:
+        """Send the request to the best backend that takes it (at most MAX_ATTEMPTS tries: a backend that
+        refuses the connection or answers 503 is marked failed and skipped). Returns (backend, route reason,
+        response, matched blocks) with the backend's inflight count taken, or None."""
         for _ in range(MAX_ATTEMPTS):
             now = self.fleet.clock()
-            pinned = self.fleet.sessions.pinned(session_key, now) if session_key else None
-            decision = choose(RouteRequest(hashes, session_key, pinned, seq), self.fleet.views(tier.name, tried),
-                              self.params)
+            pinned = self.fleet.sessions.pinned(ctx.session_key, now) if ctx.session_key else None
+            decision = choose(RouteRequest(ctx.hashes, ctx.session_key, pinned, ctx.sequence),
+                              self.fleet.views(ctx.tier, ctx.excluded(self.fleet)), self.params)
             if decision is None:
-                break
+                return None
             backend = self.fleet.backends[decision.backend]
-            reason = "tier-fallback" if fallback else decision.reason
-            self.metrics.requests.labels(backend=decision.backend, reason=reason, tier=tier.name).inc()
-            if session_key and (decision.reason == SESSION or pinned is None):
-                self.fleet.sessions.pin(session_key, decision.backend, now)
-            self.fleet.note_routed(decision.backend, hashes)
+            reason = "tier-fallback" if ctx.fallback else decision.reason
+            self.metrics.requests.labels(backend=decision.backend, reason=reason, tier=ctx.tier).inc()
+            if ctx.session_key and (decision.reason == SESSION or pinned is None):
+                self.fleet.sessions.pin(ctx.session_key, decision.backend, now)
+            self.fleet.note_routed(decision.backend, ctx.hashes)
             backend.inflight += 1
             try:
-                upstream = await self.session.post(backend.endpoint.url + path, data=raw, headers=headers)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                upstream = await self.session.post(backend.endpoint.url + ctx.path, data=raw, headers=ctx.headers)
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 backend.inflight -= 1
                 self.fleet.mark_failed(decision.backend, f"request failed: {type(exc).__name__}: {exc}")
                 self.metrics.retries.labels(backend=decision.backend).inc()
-                tried.add(decision.backend)
+                ctx.fail(backend)
                 continue
             if upstream.status == 503:  # draining or still loading: another backend can take it
                 await upstream.read()
@@ -240,23 +397,26 @@ class Router:
                 backend.inflight -= 1
                 self.fleet.mark_failed(decision.backend, "answered 503")
                 self.metrics.retries.labels(backend=decision.backend).inc()
-                tried.add(decision.backend)
+                ctx.fail(backend)
                 continue
-            try:
-                if hashes:
-                    self.metrics.prefix_query_blocks.inc(len(hashes))
-                    self.metrics.prefix_hit_blocks.inc(decision.matched_blocks)
-                return await self._relay(request, upstream, decision.backend, reason)
-            finally:
-                if upstream.content.at_eof():
-                    upstream.release()  # keep the connection for the next request
-                else:
-                    upstream.close()    # the client went away: closing makes the backend abort the request
-                backend.inflight -= 1
-        return self._no_backend(tier.name)
+            return backend, reason, upstream, decision.matched_blocks
+        return None
+
+    @staticmethod
+    def _close(upstream: aiohttp.ClientResponse, backend: BackendState) -> None:
+        if upstream.content.at_eof():
+            upstream.release()  # keep the connection for the next request
+        else:
+            upstream.close()    # the client went away (or the stream moved): closing aborts it there
+        backend.inflight -= 1
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: str,
-                     reason: str) -> web.StreamResponse:
+                     reason: str, timing: Timing, client_wants_usage: bool = True,
+                     stream: StreamState | None = None, ctx: _Request | None = None) -> web.StreamResponse:
+        """Relay the backend's response as it comes, noting the first token and the output tokens (``timing``).
+        A stream is relayed event by event; the usage event the router asked for is dropped again when the
+        client did not ask for it. A stream its backend breaks off continues on another backend
+        (``_migrate``), into the same client response."""
         response = web.StreamResponse(status=upstream.status)
         for name in RELAYED_RESPONSE_HEADERS:
             if name in upstream.headers:
@@ -264,21 +424,174 @@ class Router:
         response.headers["x-tokenfleet-backend"] = backend
         response.headers["x-tokenfleet-route-reason"] = reason
         await response.prepare(request)
+        self.fleet.note_alive(backend)
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if not sse:
+            return await self._relay_body(response, upstream, backend, timing)
+        state = stream or StreamState(client_wants_token_ids=True)
+        broken = await self._pump(response, upstream, backend, timing, client_wants_usage, state)
+        if broken is not None:
+            if stream is None or ctx is None:
+                state.errored = state.done = True
+                await response.write(error_event(502, f"the backend {backend} failed mid-stream") + DONE_EVENT)
+            else:
+                if backend in self.fleet.backends:
+                    ctx.fail(self.fleet.backends[backend])
+                await self._migrate(response, ctx, state, timing, client_wants_usage, backend, broken)
+        timing.finished = self.fleet.clock()
+        timing.ok = upstream.status == 200 and state.done and not state.errored
+        timing.client_error = 400 <= upstream.status < 500
+        await response.write_eof()
+        return response
+
+    async def _relay_body(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, backend: str,
+                          timing: Timing) -> web.StreamResponse:
+        body = bytearray()
         try:
             async for chunk in upstream.content.iter_any():
+                self.fleet.note_alive(backend)
+                if len(body) < MAX_OBSERVED_BODY:
+                    body += chunk
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             log.warning("backend %s broke off a response: %s", backend, exc)
             self.fleet.mark_failed(backend, f"response broken off: {exc}")
-            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                event = json.dumps(error_body(502, f"the backend {backend} failed mid-stream"))
-                await response.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
             return response
+        timing.finished = self.fleet.clock()
+        timing.ok = upstream.status == 200
+        timing.client_error = 400 <= upstream.status < 500
+        if timing.ok:
+            try:
+                timing.output_tokens = completion_tokens(json.loads(bytes(body))) or 0
+            except ValueError:
+                pass
         await response.write_eof()
         return response
 
+    async def _pump(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, backend: str,
+                    timing: Timing, client_wants_usage: bool, state: StreamState) -> str | None:
+        """Relay one backend's events to the client until ``[DONE]``. Returns None when the stream ended (with
+        ``[DONE]``), or why it broke off: the backend's connection failed before ``[DONE]``, or it sent an
+        error event that means it is going away (the event is not relayed: the stream continues elsewhere)."""
+        events = SseEvents()
+        try:
+            async for chunk in upstream.content.iter_any():
+                self.fleet.note_alive(backend)
+                out = []
+                for event in events.feed(chunk):
+                    if is_done(event):
+                        state.done = True
+                        out.append(event)
+                        continue
+                    obj = event_json(event)
+                    if obj is None:
+                        out.append(event)
+                        continue
+                    code = migratable_error(obj)
+                    if code is not None:
+                        if out:
+                            await response.write(b"".join(out))
+                        self.fleet.mark_failed(backend, f"ended a stream with error {code}")
+                        return f"{BACKEND_ERROR}: {code} {str(obj['error'].get('message', ''))[:200]}"
+                    if timing.first_token is None and carries_output(obj):
+                        timing.first_token = self.fleet.clock()
+                    if is_usage_only(obj):
+                        timing.output_tokens = completion_tokens(obj) or timing.output_tokens
+                        if not client_wants_usage:
+                            continue
+                    relayed = state.accept(obj)
+                    if relayed is not None:
+                        out.append(sse_event(relayed))
+                if out:
+                    await response.write(b"".join(out))
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            log.warning("backend %s broke off a stream: %s", backend, exc)
+            self.fleet.mark_failed(backend, f"response broken off: {exc}")
+            return f"{DISCONNECTED}: {type(exc).__name__}"
+        if not state.done:
+            self.fleet.mark_failed(backend, "closed a stream before its end")
+            return f"{DISCONNECTED}: closed before [DONE]"
+        return None
+
+    async def _migrate(self, response: web.StreamResponse, ctx: _Request, state: StreamState, timing: Timing,
+                       client_wants_usage: bool, backend: str, broken: str) -> None:
+        """Continue a broken stream on other backends until it ends, or end it with one error event."""
+        limit = self.config.migration_limit
+        while broken is not None:
+            why = broken.split(":", 1)[0]
+            if state.finished:      # every token was relayed: only the usage event and [DONE] were lost
+                log.info("stream from %s broke after its last token (%s); ending it here", backend, broken)
+                state.done = True
+                await response.write(DONE_EVENT)
+                return
+            failure = state.why_not(limit)
+            opened = None
+            if failure is None:
+                opened = await self._open_continuation(ctx, state)
+                if opened is None:
+                    failure = NO_BACKEND
+                elif isinstance(opened, bytes):
+                    failure = TARGET_ERROR
+            if failure is not None:
+                self.metrics.migration_failures.labels(reason=failure).inc()
+                state.errored = True
+                if failure == TARGET_ERROR:
+                    assert isinstance(opened, bytes)
+                    await response.write(opened + DONE_EVENT)
+                else:
+                    status = 503 if failure == NO_BACKEND else 502
+                    await response.write(error_event(status, failure_message(failure, broken, state, limit))
+                                         + DONE_EVENT)
+                state.done = True
+                log.warning("stream from %s could not be continued (%s): %s", backend, failure, broken)
+                return
+            assert not isinstance(opened, bytes) and opened is not None
+            target, upstream = opened
+            state.migrations += 1
+            state.continuing = True
+            self.metrics.migrations.labels(reason=why).inc()
+            log.info("stream moved from %s to %s after %d tokens (%s)", backend, target.name, len(state.token_ids),
+                     broken)
+            try:
+                broken = await self._pump(response, upstream, target.name, timing, client_wants_usage, state)
+            finally:
+                self._close(upstream, target)
+            if broken is not None:
+                ctx.fail(target)
+            backend = target.name
+
+    async def _open_continuation(self, ctx: _Request, state: StreamState
+                                 ) -> tuple[BackendState, aiohttp.ClientResponse] | bytes | None:
+        """Send the continuation to another backend: (backend, its streaming response); an error event
+        carrying the error a backend answered with; or None when no backend took it."""
+        raw = json.dumps(state.continuation_body(ctx.body)).encode()
+        deadline = self.fleet.clock() + max(self.config.no_replica_hold_s, MIGRATION_WAIT_S)
+        while True:
+            opened = await self._open(ctx, raw)
+            if opened is not None:
+                break
+            if self.fleet.clock() >= deadline:
+                return None
+            await asyncio.sleep(0.1)
+        target, _, upstream, _ = opened
+        if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return target, upstream
+        try:
+            body = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError):
+            body = b""
+        finally:
+            self._close(upstream, target)
+        try:
+            err = json.loads(body)["error"]
+            message = f"continuing the stream on {target.name} failed: {err['message']}"
+        except (ValueError, KeyError, TypeError):
+            message = f"continuing the stream on {target.name} failed with status {upstream.status}"
+        log.warning("%s", message)
+        return error_event(upstream.status if upstream.status >= 400 else 502, message)
+
     async def models(self, request: web.Request) -> web.Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = self._backend_headers(request)
         merged: dict[str, dict] = {}
         status = None
         for tier in self.config.tiers:
@@ -293,7 +606,7 @@ class Router:
                         return web.Response(status=r.status, body=await r.read(),
                                             content_type=r.content_type or "application/json")
                     data = await r.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self.fleet.mark_failed(decision.backend, f"/v1/models failed: {exc}")
                 continue
             status = 200

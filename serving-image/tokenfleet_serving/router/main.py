@@ -1,7 +1,14 @@
 """``tokenfleet route --config /etc/tokenfleet/router.json``: the cache- and load-aware router.
 
 Exit codes: 0 after SIGTERM/SIGINT (open requests finish first, up to
---drain-timeout), 2 for bad arguments or a bad router.json.
+--drain-timeout), 2 for bad arguments, a bad router.json or unreadable client
+keys; the reason also goes, as one line, to the termination log
+(``tokenfleet_serving/contract/termination.py``).
+
+Keys: ``--client-keys PATH`` (default ``$TOKENFLEET_CLIENT_KEYS``) are the keys
+clients must send (``router/auth.py``; without it the router lets every client
+in); ``--backend-api-key`` (default ``$TOKENFLEET_API_KEY``) is the router's own
+key for the replicas, which clients never see.
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from tokenfleet_serving.contract.termination import ArgumentParser, write_termination_message
+
 log = logging.getLogger("tokenfleet.router")
 
 
@@ -25,7 +34,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenfleet route", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tokenfleet route", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="router.json (written by the operator into the router ConfigMap)")
     p.add_argument("--endpoints", default=None,
                    help="endpoints.json, re-read when it changes (default: endpoints.json next to --config)")
@@ -36,8 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=_positive_float, default=0.5,
                    help="seconds between polls of each backend's /metrics and /cache/blocks")
     p.add_argument("--backend-api-key", default=None,
-                   help="bearer token for the backends' /cache/blocks (default: $TOKENFLEET_API_KEY)")
+                   help="the router's key for the replicas (their --api-key), sent on every request and poll in "
+                        "place of the client's credentials (default: $TOKENFLEET_API_KEY)")
+    p.add_argument("--client-keys", default=None,
+                   help="file, or directory of files (a mounted Secret), with the API keys clients must send, one "
+                        "per line; re-read when it changes (default: $TOKENFLEET_CLIENT_KEYS; none: no client auth)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20 + 4096)
+    p.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                   help="seconds a client has to send a request line and headers; then 408 and close")
+    p.add_argument("--body-timeout", type=_positive_float, default=30.0,
+                   help="seconds a client has to send the whole body after its headers; then 408 and close")
     p.add_argument("--drain-timeout", type=_positive_float, default=25.0)
     p.add_argument("--log-level", default="info")
     return p
@@ -60,10 +77,13 @@ def load_tokenizer(model_dir: str | None):
 
 
 async def run(router, host: str, port: int, drain_timeout_s: float, *, on_listening=None,
-              stop: asyncio.Event | None = None) -> int:
+              stop: asyncio.Event | None = None, header_timeout_s: float = 10.0) -> int:
     from aiohttp import web
 
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    from tokenfleet_serving.server.connection import GuardedAppRunner
+
+    runner = GuardedAppRunner(router.app, header_timeout_s=header_timeout_s, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=5)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -87,20 +107,31 @@ async def run(router, host: str, port: int, drain_timeout_s: float, *, on_listen
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet_serving.contract.router_files import ConfigError, load_router_config
     from tokenfleet_serving.router.app import Router
-    from tokenfleet_serving.router.config import ConfigError, load_router_config
+    from tokenfleet_serving.router.auth import ClientKeys, KeyFileError
 
     try:
         config = load_router_config(args.config)
-    except ConfigError as exc:
+        keys_path = args.client_keys or os.environ.get("TOKENFLEET_CLIENT_KEYS") or None
+        client_keys = ClientKeys(keys_path) if keys_path else None
+    except (ConfigError, KeyFileError) as exc:
         print(f"tokenfleet route: {exc}", file=sys.stderr)
+        write_termination_message(f"tokenfleet route: {exc}")
         return 2
+    if client_keys is None:
+        log.warning("no client keys (--client-keys or $TOKENFLEET_CLIENT_KEYS): every client is let in")
+    else:
+        log.info("clients must send one of %d keys from %s", len(client_keys), client_keys.path)
+    backend_key = args.backend_api_key or os.environ.get("TOKENFLEET_API_KEY") or None
+    if backend_key is None:
+        log.warning("no backend key (--backend-api-key or $TOKENFLEET_API_KEY): replicas must accept requests "
+                    "without one, and their /cache/blocks is closed to the router")
     endpoints = args.endpoints or str(Path(args.config).with_name("endpoints.json"))
     tokenizer = load_tokenizer(args.model or config.model_path)
-    router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval,
-                    backend_api_key=args.backend_api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
-                    max_body_bytes=args.max_body_bytes)
-    return asyncio.run(run(router, args.host, args.port, args.drain_timeout))
+    router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval, backend_api_key=backend_key,
+                    max_body_bytes=args.max_body_bytes, client_keys=client_keys, body_timeout_s=args.body_timeout)
+    return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ are computed from the fleet state at scrape time.
 | ``tokenfleet_router_requests_total{backend,reason,tier}`` | counter | routing decisions (reason: see policy.py) |
 | ``tokenfleet_router_responses_total{code}`` | counter | responses sent to clients, by HTTP status |
 | ``tokenfleet_router_retries_total{backend}`` | counter | requests re-routed because the backend could not be reached or was draining |
+| ``tokenfleet_router_migrations_total{reason}`` | counter | streams continued on another backend (migration.py) |
+| ``tokenfleet_router_migration_failures_total{reason}`` | counter | broken streams that could not be continued |
 | ``tokenfleet_router_prefix_query_blocks_total`` | counter | full prompt blocks of routed requests |
 | ``tokenfleet_router_prefix_hit_blocks_total`` | counter | of those, cached on the chosen backend (as far as the router knew) |
 | ``tokenfleet_router_backends{state}`` | gauge | endpoints listed, and routable |
@@ -17,17 +19,37 @@ are computed from the fleet state at scrape time.
 | ``tokenfleet_router_backend_cached_blocks{backend}`` | gauge | blocks in the backend's prefix cache |
 | ``tokenfleet_router_generation_tokens_per_second`` | gauge | summed rate of the backends' ``vllm:generation_tokens_total`` over 60 s |
 | ``tokenfleet_router_dollars_per_hour{currency}`` | gauge | price per replica-hour x listed replicas |
-| ``tokenfleet:cost_per_million_tokens_usd{currency}`` | gauge | dollars per hour / (generated tokens per hour) x 1e6; absent while nothing is generated |
+| ``tokenfleet:cost_per_million_tokens_usd{currency}`` | gauge | dollars per hour / (generated tokens per hour) x 1e6;
+  absent while nothing is generated |
 | ``tokenfleet_router_tokenizer_loaded`` | gauge | 1 when prompts are tokenized (prefix hashing works) |
+
+What the operator reads for goodput, cost and autoscaling (names in ``contract.router_metrics``; the
+definitions in ``observe.py``):
+
+| Metric | Type | Meaning |
+|---|---|---|
+| ``tokenfleet_router_time_to_first_token_seconds`` | histogram | arrival to first output token (streamed requests) |
+| ``tokenfleet_router_time_per_output_token_seconds`` | histogram | (e2e - TTFT) / (tokens - 1) (streamed, 2+ tokens) |
+| ``tokenfleet_router_e2e_request_latency_seconds`` | histogram | arrival to the last byte |
+| ``tokenfleet_router_slo_requests_total{result}`` | counter | requests that met (``met``) or missed (``missed``) the SLO |
+| ``tokenfleet_router_slo_output_tokens_total{result}`` | counter | their output tokens |
+| ``tokenfleet_router_output_tokens_total`` | counter | output tokens delivered to clients |
+| ``tokenfleet_router_pending_requests`` | gauge | requests held because no replica is ready (scale from zero) |
+| ``tokenfleet_router_cold_start_seconds`` | histogram | arrival to first token of requests that found no replica ready |
+| ``tokenfleet_router_seconds_since_last_request`` | gauge | idle time (scale to zero) |
+| ``tokenfleet_router_backend_draining{backend}`` | gauge | 1 while a backend gets no new requests (scale-down) |
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from tokenfleet_serving.router.state import Fleet, cost_per_million_tokens
+from tokenfleet_serving.contract import router_metrics as rm
+from tokenfleet_serving.contract.cost import cost_per_million_tokens
+from tokenfleet_serving.router.observe import Timing
+from tokenfleet_serving.router.state import Fleet
 
 
 class RouterMetrics:
@@ -40,13 +62,56 @@ class RouterMetrics:
                                  ["code"], registry=reg)
         self.retries = Counter("tokenfleet_router_retries", "Requests re-routed away from a backend.",
                                ["backend"], registry=reg)
+        self.migrations = Counter("tokenfleet_router_migrations", "Streams continued on another backend after "
+                                  "theirs failed mid-stream, by why it failed.", ["reason"], registry=reg)
+        self.migration_failures = Counter("tokenfleet_router_migration_failures", "Broken streams that could not "
+                                          "be continued and ended with an error event, by why not.", ["reason"],
+                                          registry=reg)
+        for reason in ("backend-disconnected", "backend-error"):
+            self.migrations.labels(reason=reason)
+        for reason in ("limit", "no-backend", "not-migratable", "target-error"):
+            self.migration_failures.labels(reason=reason)
         self.prefix_query_blocks = Counter("tokenfleet_router_prefix_query_blocks",
                                            "Full prompt blocks of routed requests.", registry=reg)
         self.prefix_hit_blocks = Counter("tokenfleet_router_prefix_hit_blocks",
                                          "Prompt blocks cached on the chosen backend.", registry=reg)
+        self.ttft = Histogram(rm.TTFT, "Arrival to first output token of streamed requests.",
+                              buckets=rm.TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram(rm.TPOT, "Time per output token after the first, of streamed requests.",
+                              buckets=rm.TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram(rm.E2E, "Arrival to the last byte of the response.", buckets=rm.E2E_BUCKETS, registry=reg)
+        self.cold_start = Histogram(rm.COLD_START, "Arrival to first token of requests that found no replica ready.",
+                                    buckets=rm.COLD_START_BUCKETS, registry=reg)
+        self.slo_requests = Counter(rm.SLO_REQUESTS.removesuffix("_total"), "Requests that met or missed the SLO.",
+                                    ["result"], registry=reg)
+        self.slo_tokens = Counter(rm.SLO_OUTPUT_TOKENS.removesuffix("_total"), "Output tokens of requests that "
+                                  "met or missed the SLO.", ["result"], registry=reg)
+        self.output_tokens = Counter(rm.OUTPUT_TOKENS.removesuffix("_total"), "Output tokens delivered to clients.",
+                                     registry=reg)
+        for result in ("met", "missed"):     # both series exist from the start, so rates over them are defined
+            self.slo_requests.labels(result=result)
+            self.slo_tokens.labels(result=result)
         self.fleet = fleet
         self.tokenizer_loaded = tokenizer_loaded
+        self.pending = lambda: 0
+        self.idle_s = lambda: 0.0
         reg.register(_FleetCollector(self))
+
+    def observe(self, t: Timing, met: bool, cold: bool) -> None:
+        """One finished request: its latencies, tokens and SLO outcome."""
+        result = "met" if met else "missed"
+        self.slo_requests.labels(result=result).inc()
+        self.slo_tokens.labels(result=result).inc(t.output_tokens)
+        self.output_tokens.inc(t.output_tokens)
+        if t.e2e is not None:
+            self.e2e.observe(t.e2e)
+        if t.stream and t.ttft is not None:
+            self.ttft.observe(t.ttft)
+        if t.tpot is not None:
+            self.tpot.observe(t.tpot)
+        first = t.ttft if t.ttft is not None else t.e2e
+        if cold and t.ok and first is not None:
+            self.cold_start.observe(first)
 
 
 class _FleetCollector:
@@ -72,13 +137,18 @@ class _FleetCollector:
                                           labels=["backend"]),
             "blocks": GaugeMetricFamily("tokenfleet_router_backend_cached_blocks", "Blocks in the prefix cache.",
                                         labels=["backend"]),
+            "draining": GaugeMetricFamily(rm.BACKEND_DRAINING, "1 while the backend gets no new requests.",
+                                          labels=["backend"]),
         }
         for b in backends:
             per["load"].add_metric([b.name], b.load())
             per["kv"].add_metric([b.name], b.sample.kv_usage if b.sample else 0.0)
             per["inflight"].add_metric([b.name], b.inflight)
             per["blocks"].add_metric([b.name], len(b.cached))
+            per["draining"].add_metric([b.name], 1.0 if b.endpoint.draining else 0.0)
         yield from per.values()
+        yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())
+        yield GaugeMetricFamily(rm.IDLE_SECONDS, "Seconds since the last request arrived.", value=self.m.idle_s())
         rate = fleet.generation_tokens_per_second()
         yield GaugeMetricFamily("tokenfleet_router_generation_tokens_per_second",
                                 "Generated tokens per second, summed over the backends (60 s window).", value=rate)

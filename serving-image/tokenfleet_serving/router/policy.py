@@ -52,7 +52,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from tokenfleet_serving.router.config import Tier
+from tokenfleet_serving.contract.router_files import Tier
 
 # Decision reasons (the `reason` label of tokenfleet_router_requests_total).
 ROUND_ROBIN = "round-robin"

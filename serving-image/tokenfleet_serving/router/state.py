@@ -9,10 +9,12 @@ adds the blocks of requests it has just routed to the chosen backend's set for
 a few seconds, so a burst of requests sharing a new prefix sticks together
 before the next poll can show the prefix as cached.
 
-A backend is routable when its pod is Ready (endpoints.json), its last poll
-succeeded less than ``stale_after`` seconds ago, it does not report
-``tokenfleet:ready 0`` (draining), and no connection to it has failed since
-its last good poll.
+A backend is routable when its pod is Ready (endpoints.json), it was polled
+successfully once, it showed a sign of life less than ``stale_after`` seconds
+ago (a successful poll, or bytes of a response the router is relaying from
+it: a busy replica whose polls time out while it streams tokens is alive), it
+does not report ``tokenfleet:ready 0`` (draining), and no connection to it has
+failed since its last good poll.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenfleet_serving.router.config import Endpoint, RouterConfig
+from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
 from tokenfleet_serving.router.policy import BackendView
 
 log = logging.getLogger("tokenfleet.router.state")
@@ -113,9 +115,11 @@ class BackendState:
     cached: frozenset[str] = frozenset()
     block_size: int | None = None
     polled_at: float | None = None      # monotonic time of the last good poll
+    seen_at: float | None = None        # monotonic time response bytes last arrived from it
     last_error: str | None = None
     failed: bool = False                # a connection failed since the last good poll
     inflight: int = 0                   # requests this router has open to it
+    listed_ready: bool = False          # endpoints.json has called this pod ready at some time
     recent: dict[str, float] = field(default_factory=dict)
     tokens: CounterRate = field(default_factory=CounterRate)
 
@@ -172,9 +176,10 @@ class Fleet:
             old = self.backends.get(ep.pod)
             if old is not None and (old.endpoint.ip, old.endpoint.port) == (ep.ip, ep.port):
                 old.endpoint = ep
+                old.listed_ready = old.listed_ready or ep.ready
                 fresh[ep.pod] = old
             else:
-                fresh[ep.pod] = BackendState(ep)
+                fresh[ep.pod] = BackendState(ep, listed_ready=ep.ready)
         self.backends = fresh
         self.endpoints_loaded = True
 
@@ -204,6 +209,12 @@ class Fleet:
                 log.info("backend %s: %s", name, error)
             b.last_error, b.failed = error, True
 
+    def note_alive(self, name: str) -> None:
+        """Bytes of a response arrived from the backend: it is alive even if its polls time out."""
+        b = self.backends.get(name)
+        if b is not None:
+            b.seen_at = self.clock()
+
     def mark_failed(self, name: str, error: str) -> None:
         """A request could not reach the backend: stop routing to it until a poll succeeds again."""
         self.record_poll_failure(name, error)
@@ -211,8 +222,16 @@ class Fleet:
     # ---- routing inputs ------------------------------------------------------------------------
     def is_routable(self, b: BackendState) -> bool:
         now = self.clock()
-        return (b.endpoint.ready and not b.failed and b.polled_at is not None
-                and now - b.polled_at <= self.stale_after_s
+        if b.polled_at is None:
+            return False
+        last_sign_of_life = max(b.polled_at, b.seen_at or b.polled_at)
+        # Ready by the pod's condition (endpoints.json); a new pod, never listed ready yet, also by its own
+        # tokenfleet:ready as polled: a kubelet updates a mounted ConfigMap up to a minute after the pod turned
+        # Ready, and the replica says so at once. A pod listed ready before and not ready now (its node lost,
+        # say) waits for the list. The replica's own "not ready" (starting, draining) always wins.
+        ready = b.endpoint.ready or (not b.listed_ready and b.sample is not None and b.sample.ready is True)
+        return (ready and not b.endpoint.draining and not b.failed
+                and now - last_sign_of_life <= self.stale_after_s
                 and (b.sample is None or b.sample.ready is not False))
 
     def routable(self, tier: str | None = None) -> list[BackendState]:
@@ -244,13 +263,6 @@ class Fleet:
                    if b.polled_at is not None and now - b.polled_at <= self.stale_after_s)
 
 
-def cost_per_million_tokens(dollars_per_hour: float, tokens_per_second: float) -> float | None:
-    """$/h / (tokens/s * 3600) * 1e6; None when nothing is generated (the cost per token is undefined)."""
-    if tokens_per_second <= 0:
-        return None
-    return dollars_per_hour / (tokens_per_second * 3600.0) * 1e6
-
-
 async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | None, timeout_s: float) -> None:
     """One poll of one backend: /metrics and /cache/blocks, concurrently."""
     import aiohttp
@@ -267,8 +279,8 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
 
     async def get_blocks() -> tuple[frozenset[str] | None, int | None]:
         async with session.get(f"{base}/cache/blocks", headers=headers, timeout=timeout) as r:
-            if r.status in (404, 503):  # another server, or the model is still loading
-                return None, None
+            if r.status in (403, 404, 503):  # closed to us (a server without --api-key), another server,
+                return None, None              # or the model is still loading: route without its cache
             if r.status != 200:
                 raise RuntimeError(f"/cache/blocks answered {r.status}")
             body = await r.json()
@@ -282,6 +294,12 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
         sample, (cached, block_size) = await asyncio.gather(get_metrics(), get_blocks())
     except asyncio.CancelledError:
         raise
+    except TimeoutError:
+        # a slow answer (a busy node) is not a failed backend: keep routing on the last poll until it is
+        # older than stale_after, or longer while responses still stream from it (note_alive); a refused or
+        # broken connection below takes the backend out at once
+        log.debug("backend %s: poll timed out", b.name)
+        return
     except Exception as exc:
         if fleet.backends.get(b.name) is b:
             fleet.record_poll_failure(b.name, f"poll failed: {type(exc).__name__}: {exc}")

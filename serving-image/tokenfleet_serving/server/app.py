@@ -27,8 +27,11 @@ from tokenfleet_serving.engine.sampling_params import SamplingParams
 
 from . import protocol as P
 from .chat import prompt_token_ids
+from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .metrics import RequestTimer, ServerMetrics
+from .startup import StartupPhases
+from .warm_restart import LoadResult, PrefixCheckpointer, WarmRestartConfig
 
 log = logging.getLogger("tokenfleet.serve")
 
@@ -47,6 +50,10 @@ class ServerConfig:
     drain_timeout_s: float = 25.0
     price_per_hour: float | None = None
     retry_after_s: int = 1
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S   # request line and headers (connection.py)
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S       # the whole body, from the end of the headers
+    engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
+    warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
 
 
 class Server:
@@ -65,6 +72,11 @@ class Server:
         self.stopped = asyncio.Event()
         self.created = P.now()
         self.started_at = time.monotonic()
+        self.phases = StartupPhases()
+        self.metrics.startup_phases = self.phases.seconds
+        self.checkpointer: PrefixCheckpointer | None = None
+        self._saver: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -103,6 +115,12 @@ class Server:
             log.error("loading the model failed: %s", e)
             raise
         self.engine = engine
+        for phase, at in getattr(engine, "startup_marks", {}).items():
+            self.phases.mark(phase, at)
+        if self.config.warm_restart is not None:
+            self.checkpointer, loaded = await asyncio.to_thread(self._open_checkpoint, engine)
+            self.metrics.prefix_checkpoint_blocks = loaded.blocks
+            self.phases.mark("prefix_cache_loaded")
         stats = engine.stats()
         ctx = engine.max_model_len
         cfg = self.config
@@ -112,15 +130,31 @@ class Server:
             max_tokens_limit=min(cfg.max_tokens_limit or ctx, ctx),
             kv_capacity_tokens=stats.num_kv_blocks * stats.block_size)
         self.metrics.configure(ctx, cfg.engine.enable_prefix_caching)
-        self.engine_loop = EngineLoop(engine, loop, max_queue=cfg.max_queue)
+        self.engine_loop = EngineLoop(engine, loop, max_queue=cfg.max_queue,
+                                      stall_timeout_s=cfg.engine_stall_timeout_s)
         self.metrics.snapshot = lambda: self.engine_loop.snapshot.stats
         self.engine_loop.listeners.append(lambda outs, at: self.metrics.on_snapshot(self.engine_loop.snapshot.stats, at))
         self.engine_loop.start()
+        self._watchdog = loop.create_task(self.engine_loop.watch())
         await self._warm_up()
         self.metrics.startup_seconds = time.monotonic() - self.started_at
+        self.phases.mark("first_token")
+        if self.checkpointer is not None:
+            self._saver = loop.create_task(self.checkpointer.run_periodically())
         self.warm = True
-        log.info("ready in %.1f s: %s (context %d tokens, %d KV blocks of %d)", self.metrics.startup_seconds,
-                 cfg.served_model_names[0], ctx, stats.num_kv_blocks, stats.block_size)
+        log.info("ready in %.1f s: %s (context %d tokens, %d KV blocks of %d); start-up phases (s since the "
+                 "process started): %s", self.metrics.startup_seconds, cfg.served_model_names[0], ctx,
+                 stats.num_kv_blocks, stats.block_size, self.phases.seconds())
+
+    def _open_checkpoint(self, engine: LLMEngine) -> tuple[PrefixCheckpointer | None, LoadResult]:
+        """The warm-restart checkpointer and what it loaded; a failure only means a cold start."""
+        assert self.config.warm_restart is not None
+        try:
+            checkpointer = PrefixCheckpointer(self.config.warm_restart, engine)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable model directory for the identity
+            log.warning("warm restart is off: %s: %s", type(exc).__name__, exc)
+            return None, LoadResult(refused=str(exc))
+        return checkpointer, checkpointer.load()
 
     async def _warm_up(self) -> None:
         """One real forward pass before readiness: proves weights, KV cache and the step thread work."""
@@ -162,10 +196,18 @@ class Server:
             end = time.monotonic() + 5
             while self.active and time.monotonic() < end:
                 await asyncio.sleep(0.05)
+        if self.checkpointer is not None and self.engine_loop is not None and self.engine_loop.alive:
+            if self._saver is not None:
+                self._saver.cancel()
+            await self.checkpointer.save_async("drain")
         log.info("drained")
         self.stopped.set()
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._saver is not None:
+            self._saver.cancel()
         if self.engine_loop is not None:
             self.engine_loop.stop()
 
@@ -177,7 +219,12 @@ class Server:
         except P.ApiError as e:
             if request.path.startswith("/v1/") and request.method == "POST":
                 self.metrics.reject(e.status)
-            return web.json_response(e.body(), status=e.status, headers=e.headers)
+            resp = web.json_response(e.body(), status=e.status, headers=e.headers)
+            if e.close_connection:       # the body stopped arriving or cannot be decoded: answer, close at once
+                return await send_and_close(request, resp)
+            if e.status == 413:          # the body is too long: answer, read the rest away (so the client
+                resp.force_close()       # can finish sending and read the answer), then close
+            return resp
         except web.HTTPException as e:   # unknown route, wrong method, body over client_max_size
             if e.status < 400:
                 raise
@@ -187,7 +234,10 @@ class Server:
                        413: f"request body exceeds {self.config.max_body_bytes} bytes"}.get(status, e.reason)
             if status == 413:
                 self.metrics.reject(413)
-            return web.json_response(P.error_body(status, message), status=status)
+            resp = web.json_response(P.error_body(status, message), status=status)
+            if status == 413:
+                resp.force_close()
+            return resp
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # noqa: BLE001 - the server keeps serving; the client gets a 500 body
@@ -228,7 +278,13 @@ class Server:
         return web.json_response(P.models_response(list(self.config.served_model_names), self.created, ctx))
 
     async def cache_blocks(self, request: web.Request) -> web.Response:
-        """Hashes of the full blocks now in the prefix cache, for cache-aware routing (spec in block_pool.py)."""
+        """Hashes of the full blocks now in the prefix cache, for cache-aware routing (spec in block_pool.py).
+
+        They tell whether a guessed prompt was served, so only the router gets them: the holder of
+        --api-key (the auth middleware checks it); without a key nobody does."""
+        if not self.config.api_key:
+            raise P.ApiError(403, "the prefix-cache hashes are served only to the router: start the server with "
+                                  "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
             raise P.ApiError(503, "model is loading")
         hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
@@ -245,14 +301,8 @@ class Server:
         return await self._generate(request, P.parse_chat)
 
     async def _read_json(self, request: web.Request):
-        length = request.content_length
-        if length is not None and length > self.config.max_body_bytes:
-            raise P.ApiError(413, f"request body of {length} bytes exceeds {self.config.max_body_bytes} bytes")
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise P.ApiError(400, f"request body is not valid JSON: {e}") from e
+        raw = await read_body(request, max_bytes=self.config.max_body_bytes, timeout_s=self.config.body_timeout_s)
+        return P.parse_json_body(raw)
 
     def _admit(self) -> None:
         if self.draining:
@@ -283,7 +333,7 @@ class Server:
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine_loop.submit(rid, ids, params)
+            stream = await self.engine_loop.submit(rid, ids, params, req.continuation)
         except QueueFullError as e:
             raise P.ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
@@ -291,6 +341,8 @@ class Server:
             raise P.ApiError(503, str(e)) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
             raise P.ApiError(400, str(e)) from e
+        except Exception as e:        # the engine failed this request alone (engine_loop logged it)
+            raise P.ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
         run = _Run(self, rid, req, RequestTimer(arrival))
         try:
             if req.stream:
@@ -299,6 +351,10 @@ class Server:
         finally:
             if not run.finished:
                 self.engine_loop.abort(rid)     # client went away or we failed: free the KV blocks
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (finish_reason "error"); the others go on."""
 
 
 class _Run:
@@ -326,6 +382,9 @@ class _Run:
                 self.saw_output = True
                 m.observe_first_output(self.timer, out.num_prompt_tokens, out.num_cached_tokens)
             m.observe_gaps(self.timer.gaps[gaps_before:])
+            if out.finish_reason == "error":
+                self.finished = True
+                raise RequestFailedError(f"generation failed for this request: {out.error}")
             if out.finished:
                 self.finished = True
                 self.usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
@@ -346,20 +405,25 @@ class _Run:
         return P.chat_logprobs(infos) if self.req.kind == "chat" else P.completion_logprobs(infos)
 
     async def collect(self, stream: asyncio.Queue) -> web.Response:
-        text, reason, lps = [], None, []
+        text, reason, lps, token_ids = [], None, [], []
         try:
             async for out in self.outputs(stream):
                 text.append(out.text_delta)
+                token_ids += out.new_token_ids
                 reason = out.finish_reason
                 lp = self._logprobs(out)
                 if lp is not None:
                     lps.append(lp)
         except EngineDeadError as e:
             raise P.ApiError(503, str(e)) from e
+        except RequestFailedError as e:
+            raise P.ApiError(500, str(e)) from e
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
-        return web.json_response(make(self.rid, self.model, self.created, "".join(text), reason, self.usage,
-                                      logprobs))
+        body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
+        if self.req.return_token_ids:
+            body["choices"][0]["token_ids"] = token_ids
+        return web.json_response(body)
 
     async def stream(self, request: web.Request, stream: asyncio.Queue) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -370,23 +434,29 @@ class _Run:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await resp.write(f"data: {data}\n\n".encode())
 
-        if chat:
+        with_ids = self.req.return_token_ids
+        if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
             await send(P.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
         try:
             async for out in self.outputs(stream):
-                if not out.text_delta and not out.finished and not out.logprobs:
+                if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
                     continue
                 lp = self._logprobs(out)
                 if chat:
                     delta = {"content": out.text_delta} if out.text_delta else {}
-                    await send(P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp))
+                    chunk = P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp)
                 else:
-                    await send(P.completion_chunk(self.rid, self.model, self.created, out.text_delta,
-                                                  out.finish_reason, lp))
+                    chunk = P.completion_chunk(self.rid, self.model, self.created, out.text_delta,
+                                               out.finish_reason, lp)
+                if with_ids:
+                    chunk["choices"][0]["token_ids"] = out.new_token_ids
+                await send(chunk)
             if self.req.include_usage:
                 await send(P.usage_chunk(self.rid, self.model, self.created, self.req.kind, self.usage))
         except EngineDeadError as e:
             await send(P.error_body(503, str(e)))
+        except RequestFailedError as e:
+            await send(P.error_body(500, str(e)))
         await send("[DONE]")
         await resp.write_eof()
         return resp

@@ -19,9 +19,17 @@ def render_chat(tokenizer: Tokenizer | None, messages: list[dict]) -> list[int]:
 
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise ApiError(400, f"chat template rejected the messages: {e}", "messages") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _encode(tokenizer, text, "messages", add_special_tokens=False)
+
+
+def _encode(tokenizer: Tokenizer, text: str, param: str, **kwargs) -> list[int]:
+    """Tokenize text from a request; text the tokenizer cannot take is the request's fault (400)."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise ApiError(400, f"'{param}' cannot be tokenized: {e}", param) from e
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, req: GenerationRequest, vocab_size: int) -> list[int]:
@@ -35,7 +43,7 @@ def prompt_token_ids(tokenizer: Tokenizer | None, req: GenerationRequest, vocab_
     else:
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send 'prompt' as token ids", "prompt")
-        ids = tokenizer.encode(req.prompt_text or "")
+        ids = _encode(tokenizer, req.prompt_text or "", "prompt")
     if not ids:
         raise ApiError(400, "the prompt tokenizes to no tokens", "messages" if req.kind == "chat" else "prompt")
     return ids

@@ -5,6 +5,15 @@ the step thread drains between steps, and each step's outputs come back to
 the event loop with ``call_soon_threadsafe``, one ``asyncio.Queue`` per
 request. A forward pass therefore never stalls the HTTP server, and
 ``/metrics`` reads a stats snapshot published after every step.
+
+Every submitted request gets an answer within a bounded time, whatever the
+engine does: a request the engine refuses or fails alone gets that error; when
+the step thread stops (on an exception no request can be blamed for, or on
+``stop()``), every request in flight and every request still in the inbox gets
+:class:`EngineDeadError`; and a step thread that has not come round its loop
+for ``stall_timeout_s`` is declared stalled (``check_stalled``, run every
+second by ``watch()``): the same errors, and ``alive`` turns False so that
+``/health`` fails and the pod is restarted.
 """
 from __future__ import annotations
 
@@ -16,13 +25,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenfleet_serving.contract.termination import write_termination_message
 from tokenfleet_serving.engine.engine import EngineStats, LLMEngine
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
-    """The step thread stopped on an exception; no request can make progress."""
+    """The step thread stopped (or stalled); no request can make progress."""
+
+
+class EngineStalledError(RuntimeError):
+    """The step thread has not come round its loop within the stall timeout."""
 
 
 class QueueFullError(RuntimeError):
@@ -43,9 +57,10 @@ OutputListener = Callable[[list[RequestOutput], float], None]
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, max_queue: int,
-                 idle_wait_s: float = 0.2):
+                 idle_wait_s: float = 0.2, stall_timeout_s: float = 120.0):
         self.engine, self.loop, self.max_queue = engine, loop, max_queue
         self.idle_wait_s = idle_wait_s
+        self.stall_timeout_s = stall_timeout_s
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._stop = False
@@ -67,10 +82,29 @@ class EngineLoop:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._fail_all("the engine was stopped")
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def check_stalled(self, now: float) -> bool:
+        """Declare the engine stalled when its step thread has not come round for ``stall_timeout_s``
+        (a step that never returns): every waiting request gets an error and ``alive`` turns False."""
+        if self.error is not None or not self._thread.is_alive() or now - self.heartbeat <= self.stall_timeout_s:
+            return False
+        self.error = EngineStalledError(f"no engine step finished in {now - self.heartbeat:.0f} s "
+                                        f"(stall timeout {self.stall_timeout_s:g} s)")
+        log.error("engine stalled: %s", self.error)
+        write_termination_message(f"tokenfleet serve: engine stalled: {self.error}")
+        self._fail_all(f"engine stopped: {self.error}")
+        return True
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Check for a stall every ``interval_s`` until the engine stops."""
+        while self.error is None and self._thread.is_alive():
+            await asyncio.sleep(interval_s)
+            self.check_stalled(time.monotonic())
 
     def stepping(self, within_s: float = 30.0) -> bool:
         """The step thread is alive and went round its loop recently (a step or an idle wake-up)."""
@@ -86,21 +120,24 @@ class EngineLoop:
         snap = self.snapshot
         return snap.stats.num_waiting + (self._submitted_seq - snap.drained_seq)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                     ) -> asyncio.Queue:
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     continuation=None) -> asyncio.Queue:
         """Hand a request to the engine; returns the queue its outputs arrive on.
 
         Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if self._stop or not self._thread.is_alive():
+            raise EngineDeadError("engine is not running")
         if self.queue_depth() >= self.max_queue:
             raise QueueFullError(f"{self.queue_depth()} requests are waiting (limit {self.max_queue})")
         accepted = self.loop.create_future()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._submitted_seq += 1
-        self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, accepted))
+        self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, continuation,
+                            accepted))
         self._wake.set()
         try:
             await accepted
@@ -133,8 +170,16 @@ class EngineLoop:
         for listener in self.listeners:
             listener(outputs, at)
 
-    def _fail_all(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"engine stopped: {error!r}")
+    def _fail_all(self, reason: str) -> None:
+        """On the event loop, once the step thread will take nothing more: answer everything left."""
+        dead = EngineDeadError(reason)
+        while True:
+            try:
+                cmd = self._inbox.popleft()
+            except IndexError:
+                break
+            if cmd[0] == "add":
+                self._resolve(cmd[-1], dead)
         for stream in self._streams.values():
             stream.put_nowait(dead)
         self._streams.clear()
@@ -149,14 +194,19 @@ class EngineLoop:
             fut.set_exception(error)
 
     def _drain_inbox(self) -> None:
-        while self._inbox:
+        while self._inbox and self.error is None:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, seq, rid, ids, params, fut = cmd
+                _, seq, rid, ids, params, continuation, fut = cmd
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    if continuation is None:
+                        self.engine.add_request(rid, ids, params)
+                    else:
+                        self.engine.add_request(rid, ids, params, continuation=continuation)
                     error = None
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone
+                    if not isinstance(e, ValueError):
+                        log.exception("adding request %s failed", rid)
                     error = e
                 self._drained_seq = seq
                 self.loop.call_soon_threadsafe(self._resolve, fut, error)
@@ -169,11 +219,14 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(self._deliver, outputs, now, snap)
 
     def _run(self) -> None:
+        reason = "the engine was stopped"
         try:
-            while not self._stop:
+            while not self._stop and self.error is None:
                 self.heartbeat = time.monotonic()
                 self._wake.clear()
                 self._drain_inbox()
+                if self.error is not None:
+                    break
                 if self.engine.has_unfinished():
                     self._publish(self.engine.step())
                 else:
@@ -181,8 +234,13 @@ class EngineLoop:
                     self._wake.wait(self.idle_wait_s)
         except BaseException as e:  # noqa: BLE001 - the engine is broken: fail every request, stop stepping
             log.exception("engine step loop stopped")
-            self.error = e
+            if self.error is None:
+                self.error = e
+            write_termination_message(f"tokenfleet serve: engine stopped: {e!r}")
+            reason = f"engine stopped: {e!r}"
+        finally:
+            # whatever ended the loop, nothing left in the inbox or in flight may wait for an answer
             try:
-                self.loop.call_soon_threadsafe(self._fail_all, e)
+                self.loop.call_soon_threadsafe(self._fail_all, reason)
             except RuntimeError:     # event loop already closed
                 pass

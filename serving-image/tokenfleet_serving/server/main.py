@@ -1,18 +1,31 @@
 """``tokenfleet serve --model DIR``: the OpenAI-compatible server process.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 if the model failed to
-load, 2 for bad arguments.
+load, 2 for bad arguments (an unknown flag, a bad value, a served model name
+that is not a plain name, a draft model that does not share the model's
+tokenizer), with the flag or file named. Before exiting 1 or 2 it writes the
+reason as one line to the termination log
+(``tokenfleet_serving/contract/termination.py``), and so it does when the engine
+dies, so that the pod's last state says why.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import re
 import signal
 import sys
 import threading
 
+from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
+from tokenfleet_serving.contract.termination import ArgumentParser, write_termination_message
+
 log = logging.getLogger("tokenfleet.serve")
+
+# What `--served-model-name` accepts: 1-128 characters, no whitespace, not starting with '-' (so a
+# name can never be taken for a flag). The operator's CRD validates servedModelNames with the same rule.
+SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
 
 
 def positive_int(text: str) -> int:
@@ -30,11 +43,72 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return v
+
+
+def served_model_name(text: str) -> str:
+    """argparse type: a model name clients send as 'model'."""
+    if not SERVED_MODEL_NAME.fullmatch(text) or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a valid model name: 1-128 characters, no whitespace, not starting with '-'")
+    return text
+
+
+def _quantization(text: str) -> str:
+    try:
+        return parse_quantization(text, "--quantization")
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
+
+
+def _speculative_tokens(text: str) -> int:
+    v = int(text)
+    if not 1 <= v <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
+    return v
+
+
+SPECULATIVE_FLAGS = {"method": "--speculative-method", "num_speculative_tokens": "--num-speculative-tokens",
+                     "draft_model": "--speculative-draft-model", "prompt_lookup_min": "--prompt-lookup-min",
+                     "prompt_lookup_max": "--prompt-lookup-max"}
+
+
+def speculative_config(args: argparse.Namespace):
+    """The engine's SpeculativeConfig from the flags (None when --speculative-method is absent). Raises
+    ValueError naming the flag at fault, and CheckpointError naming the draft model's file when it does not
+    share the target's tokenizer (checked here, before any weights load)."""
+    from tokenfleet_serving.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+
+    given = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+             "draft_model": args.speculative_draft_model, "prompt_lookup_min": args.prompt_lookup_min,
+             "prompt_lookup_max": args.prompt_lookup_max}
+    if given["method"] is None:
+        extra = [SPECULATIVE_FLAGS[k] for k, v in given.items() if v is not None and k != "method"]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} need --speculative-method")
+        return None
+    try:
+        config = SpeculativeConfig(**{k: v for k, v in given.items() if v is not None})
+    except SpeculativeConfigError as e:
+        flag = SPECULATIVE_FLAGS.get(e.field, e.field)
+        raise ValueError(f"{flag}: {e}") from e
+    if config.draft_model is not None:
+        from tokenfleet_serving.engine.draft_model import check_compatible
+
+        check_compatible(args.model, config.draft_model)
+    return config
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenfleet serve", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tokenfleet serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="name clients send as 'model' (repeatable; default: the --model value)")
+    p.add_argument("--served-model-name", action="append", default=None, type=served_model_name,
+                   help="name clients send as 'model' (repeatable; default: the --model value); 1-128 characters, "
+                        "no whitespace, not starting with '-'")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /cache "
@@ -46,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests beyond this get 429 with Retry-After")
     p.add_argument("--drain-timeout", type=_non_negative_float, default=25.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                   help="seconds a client has, from connecting or from the first byte of a request, to send the "
+                        "request line and headers; then 408 and the connection is closed")
+    p.add_argument("--body-timeout", type=_positive_float, default=30.0,
+                   help="seconds a client has to send the whole request body after its headers; then 408")
+    p.add_argument("--engine-stall-timeout", type=_positive_float, default=120.0,
+                   help="an engine step running longer than this is a stuck engine: in-flight requests get 503 "
+                        "and /health fails, so the pod is restarted")
     p.add_argument("--price-per-hour", type=_non_negative_float, default=None,
                    help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     p.add_argument("--dtype", default="auto")
@@ -57,26 +139,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-threads", type=positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--quantization", type=_quantization, default="none",
+                   help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
+    p.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
+    p.add_argument("--num-speculative-tokens", type=_speculative_tokens, default=None,
+                   help="draft tokens verified per step, 1-16 (default 4)")
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="checkpoint directory of the draft model (method draft; the target's tokenizer)")
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=None, help="smallest n-gram matched (ngram)")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=None, help="largest n-gram matched (ngram)")
+    p.add_argument("--load-format", choices=("mmap", "read"), default="mmap",
+                   help="mmap: the weight files are read ahead from the process start (while torch is imported) and "
+                        "the weights are views of the memory-mapped files until the model packs them (no copy of "
+                        "their own); read: each tensor is read into memory first (the former way)")
+    warm = p.add_argument_group("warm restart (prefix-cache checkpoints; docs/recovery.md)")
+    warm.add_argument("--prefix-checkpoint-dir", default=None,
+                      help="directory to save the hottest prefix-cache blocks to (periodically and on drain) and "
+                           "load them from at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
+    warm.add_argument("--prefix-checkpoint-name", default=None,
+                      help="this replica's file name in that directory (default: the host name); a replacement "
+                           "given the same name starts from its predecessor's blocks")
+    warm.add_argument("--prefix-checkpoint-interval", type=_positive_float, default=60.0,
+                      help="seconds between saves (a save is skipped when the hottest blocks did not change)")
+    warm.add_argument("--prefix-checkpoint-max-mb", type=positive_int, default=256,
+                      help="most megabytes of KV blocks a checkpoint holds, hottest first")
+    warm.add_argument("--model-revision", default=None,
+                      help="the model's revision, which a checkpoint must match to be loaded (default: a "
+                           "fingerprint of the weight files)")
     p.add_argument("--log-level", default="info")
     return p
 
 
+class _Refused(Exception):
+    pass
+
+
+def argument_error(argv: list[str]) -> str | None:
+    """The one-line error ``tokenfleet serve`` would exit 2 with for ``argv``, or None when it takes them.
+    Imports no torch, writes nothing: for validating a pod's arguments before the pod runs."""
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise _Refused(f"{parser.prog}: error: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    try:
+        parser.parse_args(argv)
+    except _Refused as exc:
+        return str(exc)
+    return None
+
+
 def config_from_args(args: argparse.Namespace):
     import os
+    import socket
 
-    from tokenfleet_serving.engine.engine import EngineConfig   # imports torch: not needed for --help
+    from tokenfleet_serving.engine.engine import EngineConfig  # imports torch: not needed for --help
 
     from .app import ServerConfig
+    from .warm_restart import WarmRestartConfig
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads)
+                          enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+                          quantization=args.quantization, speculative=speculative_config(args),
+                          load_format=args.load_format)
+    directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
+    warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
+                             args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
+                             args.model_revision) if directory else None
     return ServerConfig(engine=engine, served_model_names=tuple(args.served_model_name or [args.model]),
                         api_key=args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
-                        drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour)
+                        drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm)
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
@@ -85,11 +225,13 @@ async def serve(config, host: str, port: int, *, on_listening=None, server_holde
     from aiohttp import web
 
     from .app import Server
+    from .connection import GuardedAppRunner
 
     server = Server(config) if engine_factory is None else Server(config, engine_factory)
     if server_holder is not None:
         server_holder.append(server)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    runner = GuardedAppRunner(server.app, header_timeout_s=config.header_timeout_s, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=5)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -108,6 +250,7 @@ async def serve(config, host: str, port: int, *, on_listening=None, server_holde
         await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
         if load.done() and load.exception() is not None:
             rc = 1
+            write_termination_message(f"tokenfleet serve: loading the model failed: {load.exception()}")
         else:
             await stop
         if not load.done():
@@ -118,11 +261,36 @@ async def serve(config, host: str, port: int, *, on_listening=None, server_holde
     return rc
 
 
+def read_ahead(model_dir: str) -> None:
+    """Ask the kernel to start reading the weight files into the page cache (``posix_fadvise(WILLNEED)``:
+    asynchronous readahead, no CPU of ours), so a cold disk is read while the interpreter imports torch."""
+    import os
+    from pathlib import Path
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    if args.load_format == "mmap":        # before torch is imported: the disk works while Python does
+        threading.Thread(target=read_ahead, args=(args.model,), name="read-ahead", daemon=True).start()
+    try:
+        config = config_from_args(args)
+    except ValueError as e:          # a flag, or the draft model's files, the engine cannot take: exit 2
+        parser.error(str(e))
     import prometheus_client
 
     prometheus_client.disable_created_metrics()    # like vLLM: no *_created series

@@ -15,13 +15,13 @@ Two sources feed the registry:
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tokenfleet_serving.contract.cost import cost_per_million_tokens
 from tokenfleet_serving.engine.engine import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -67,13 +67,6 @@ class RateWindow:
         return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
 
-def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float) -> float | None:
-    """Accelerator dollars per million output tokens at the current throughput (None when idle)."""
-    if tokens_per_second <= 0 or not math.isfinite(tokens_per_second):
-        return None
-    return price_per_hour / (tokens_per_second * 3600.0) * 1e6
-
-
 @dataclass
 class RequestTimer:
     """Latency bookkeeping for one request, fed with the times its outputs arrive."""
@@ -111,6 +104,8 @@ class ServerMetrics:
         self.model_name, self.price_per_hour = model_name, price_per_hour
         self.prefix_caching = prefix_caching
         self.startup_seconds: float | None = None     # process start of serving to ready
+        self.startup_phases: Callable[[], dict[str, float]] = dict   # startup.py: phase -> s since process start
+        self.prefix_checkpoint_blocks: int | None = None   # blocks loaded from a warm-restart checkpoint
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
         self.labels = {"model_name": model_name, "engine": "0"}
@@ -148,7 +143,7 @@ class ServerMetrics:
 
     def observe_finished(self, timer: RequestTimer, num_prompt_tokens: int, finish_reason: str | None,
                          at: float) -> None:
-        if finish_reason == "abort":
+        if finish_reason in ("abort", "error"):
             return
         self.e2e.observe(at - timer.arrival)
         if timer.tpot is not None:
@@ -197,6 +192,19 @@ class _EngineCollector:
                                   "(weights loaded, KV cache allocated, one warm-up token).", labels=names)
             g.add_metric(values, m.startup_seconds)
             yield g
+        phases = m.startup_phases()
+        if phases:
+            g = GaugeMetricFamily("tokenfleet:startup_phase_seconds", "Seconds from the process start to each "
+                                  "start-up phase (weights_loaded, kernels_ready, prefix_cache_loaded, first_token).",
+                                  labels=[*names, "phase"])
+            for phase, seconds in phases.items():
+                g.add_metric([*values, phase], seconds)
+            yield g
+        if m.prefix_checkpoint_blocks is not None:
+            g = GaugeMetricFamily("tokenfleet:prefix_checkpoint_loaded_blocks", "Prefix-cache blocks loaded at "
+                                  "start from a warm-restart checkpoint.", labels=names)
+            g.add_metric(values, m.prefix_checkpoint_blocks)
+            yield g
         s = m.snapshot()
         if s is None:
             return
@@ -214,6 +222,10 @@ class _EngineCollector:
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        # vLLM V0's name for the same gauge, which older dashboards and the Gateway API Inference
+        # Extension's model-server protocol still read.
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM V0 name). 1 means 100 percent usage.",
+                    s.kv_cache_usage)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=names + ["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         info.add_metric(values + [str(s.block_size), str(s.num_kv_blocks), str(m.prefix_caching)], 1.0)
@@ -226,7 +238,7 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=names + ["finished_reason"])
-        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort", "error"}):
             success.add_metric(values + [reason], s.finished.get(reason, 0))
         yield success
         yield counter("tokenfleet:prompt_tokens_computed", "Prompt tokens run through the model "
@@ -234,6 +246,8 @@ class _EngineCollector:
                       s.prompt_tokens)
         yield counter("tokenfleet:engine_steps", "Engine steps (forward passes) run.", s.num_steps)
         yield gauge("tokenfleet:kv_cache_blocks", "KV blocks in the pool.", s.num_kv_blocks)
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode, names, values)
         rate = m.output_rate.rate()
         yield gauge("tokenfleet:output_tokens_per_second",
                     f"Generated tokens per second over the last {m.output_rate.window_s:g} s.", rate)
@@ -243,3 +257,25 @@ class _EngineCollector:
                 yield gauge("tokenfleet:cost_per_million_tokens_usd",
                             "Accelerator price per hour divided by output tokens per hour, per million tokens.",
                             cost)
+
+
+def _spec_decode_metrics(sd, names: list[str], values: list[str]) -> Iterable[Metric]:
+    """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), and the engine's rule."""
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sd.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", sd.num_accepted_tokens)):
+        c = CounterMetricFamily(name, doc, labels=names)
+        c.add_metric(values, value)
+        yield c
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=names + ["position"])
+    for position, count in enumerate(sd.accepted_per_position):
+        per_pos.add_metric(values + [str(position)], count)
+    yield per_pos
+    steps = CounterMetricFamily("tokenfleet:spec_decode_steps", "Engine steps where requests could speculate, "
+                                "by the cost rule's decision (speculated, or declined: no gain expected).",
+                                labels=names + ["decision"])
+    steps.add_metric(values + ["speculated"], sd.num_steps_speculated)
+    steps.add_metric(values + ["declined"], sd.num_steps_declined)
+    yield steps

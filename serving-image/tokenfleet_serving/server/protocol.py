@@ -6,23 +6,32 @@ The server turns it into the OpenAI error body ``{"error": {...}}``.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet_serving.engine.sampling_params import SamplingParams
+from tokenfleet_serving.engine.continuation import Continuation
+from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
 
 # HTTP status -> OpenAI error "type"
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "request_timeout",
     413: "request_too_large",
+    414: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
+    502: "bad_gateway",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -30,10 +39,11 @@ class ApiError(Exception):
     """A request the server refuses, with the HTTP status and the field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, close_connection: bool = False):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.headers = headers or {}
+        self.close_connection = close_connection     # answer, then close without reading the rest of the body
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param)
@@ -46,6 +56,83 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def bad(param: str, why: str) -> ApiError:
     return ApiError(400, f"'{param}' {why}", param)
+
+
+# ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
+
+MAX_JSON_DEPTH = 64          # an OpenAI request nests 4 levels (messages[i].content[j].text)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _json_depth(raw: bytes) -> int:
+    """Deepest nesting of a body that is valid JSON (strings, which may hold brackets, are skipped)."""
+    import numpy as np
+
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(steps.cumsum().max())
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Where the first string (a value, or a key) holding a lone UTF-16 surrogate is, else None."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str) and _has_surrogate(value):
+            return f"'{path}'" if path else "the body"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if _has_surrogate(k):
+                    return f"a key of '{path}'" if path else "a key of the body"
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 for anything later steps could not handle.
+
+    Refused: bytes that are not UTF-8, text that is not JSON (``NaN`` and
+    ``Infinity`` included), integers beyond Python's 4,300-digit limit, nesting
+    deeper than ``MAX_JSON_DEPTH``, and strings with a lone UTF-16 surrogate
+    (``"\\ud800"``), which no tokenizer can encode.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8: {e}") from e
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:      # JSONDecodeError, an integer over the digit limit, NaN/Infinity
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _json_depth(raw) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(body)
+        if where is not None:
+            param = where[1:-1] if where.startswith("'") else None
+            raise ApiError(400, f"{where} contains a lone UTF-16 surrogate (such as \\ud800); "
+                                "send valid Unicode text", param)
+    return body
 
 
 @dataclass(frozen=True)
@@ -136,7 +223,10 @@ _SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperat
                     "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias",
                     # vLLM extras (extra_body in the openai client)
                     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                    "include_stop_str_in_output", "skip_special_tokens"}
+                    "include_stop_str_in_output", "skip_special_tokens",
+                    # tokenfleet extensions: token ids in the response (vLLM's name), and continuing a request
+                    # another replica started (the router's stream migration)
+                    "return_token_ids", "continuation"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -155,6 +245,8 @@ class GenerationRequest:
     max_tokens: int | None             # None: fill the context (chat) -- resolved by resolve_max_tokens
     sampling: dict = field(default_factory=dict)   # SamplingParams kwargs except max_tokens
     logprobs: int | None = None        # top-N alternatives; None: no logprobs
+    return_token_ids: bool = False     # each choice (and streamed chunk) carries its output token ids
+    continuation: Continuation | None = None   # output already delivered by another replica (engine/continuation.py)
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -190,7 +282,7 @@ def _common(body: dict) -> tuple[str, bool, bool, dict]:
     for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
                                   ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
                                   ("frequency_penalty", -2.0, 2.0, False),
-                                  ("repetition_penalty", 0.0, 2.0, True)):
+                                  ("repetition_penalty", MIN_REPETITION_PENALTY, 2.0, False)):
         v = _float(body, name, lo, hi, lo_open)
         if v is not None:
             sampling[name] = v
@@ -210,6 +302,31 @@ def _common(body: dict) -> tuple[str, bool, bool, dict]:
         if v is not None:
             sampling[name] = v
     return model, stream, include_usage, sampling
+
+
+MAX_CONTINUATION_TEXT = 4 * 2**20
+
+
+def _extensions(body: dict) -> tuple[bool, Continuation | None]:
+    """``return_token_ids`` and ``continuation`` (``{"output_token_ids": [...], "delivered_text": "..."}``)."""
+    return_ids = bool(_bool(body, "return_token_ids"))
+    cont = body.get("continuation")
+    if cont is None:
+        return return_ids, None
+    if not isinstance(cont, dict):
+        raise bad("continuation", "must be an object {\"output_token_ids\": [...], \"delivered_text\": \"...\"}")
+    extra = sorted(set(cont) - {"output_token_ids", "delivered_text"})
+    if extra:
+        raise bad(f"continuation.{extra[0]}", "is not a supported parameter")
+    ids = cont.get("output_token_ids")
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise bad("continuation.output_token_ids", "must be a list of integer token ids")
+    text = cont.get("delivered_text", "")
+    if not isinstance(text, str) or len(text) > MAX_CONTINUATION_TEXT:
+        raise bad("continuation.delivered_text", "must be a string (the output text the client received)")
+    if text and not ids:
+        raise bad("continuation.delivered_text", "needs the output_token_ids it was decoded from")
+    return return_ids, Continuation(tuple(ids), text)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -242,7 +359,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     logprobs = _int(body, "logprobs", 0, 20)
     max_tokens = _int(body, "max_tokens", 1)
     return GenerationRequest("completion", model, text, ids, None, stream, include_usage,
-                             16 if max_tokens is None else max_tokens, sampling, logprobs)
+                             16 if max_tokens is None else max_tokens, sampling, logprobs, *_extensions(body))
 
 
 def _message_content(content: Any, where: str) -> str:
@@ -295,7 +412,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("top_logprobs", "requires 'logprobs' to be true")
     logprobs = (top or 0) if want_logprobs else None
     return GenerationRequest("chat", model, None, None, messages, stream, include_usage,
-                             max_tokens, sampling, logprobs)
+                             max_tokens, sampling, logprobs, *_extensions(body))
 
 
 def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: Limits) -> int:
