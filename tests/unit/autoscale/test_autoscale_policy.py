@@ -1,0 +1,80 @@
+"""The autoscaler's decisions, step by step, on a fake clock."""
+from __future__ import annotations
+
+from tokenfleet_operator.autoscale.policy import History, Signals, Targets, Why, recommend
+
+T = Targets(min_replicas=1, max_replicas=4, requests_per_replica=8, kv_cache_usage=0.8, slo_attainment=0.95,
+            scale_up_stabilization_s=0, scale_down_stabilization_s=60, max_scale_up=4, max_scale_down=1,
+            scale_to_zero_after_s=120)
+
+
+def sig(ready, requests, kv=0.1, slo=None, pending=0, idle=0.0):
+    return Signals(ready, requests, kv, slo, pending, idle)
+
+
+def test_load_above_target_scales_up_at_once_by_the_requests_needed():
+    r = recommend(T, 1, sig(1, 30), History(), now=0)
+    assert (r.replicas, r.reason) == (4, Why.REQUESTS)            # ceil(30 / 8)
+
+
+def test_the_biggest_need_wins_and_each_signal_can_be_it():
+    assert recommend(T, 2, sig(2, 4, kv=0.95), History(), 0).reason == Why.KV_CACHE      # ceil(2 * .95 / .8) = 3
+    r = recommend(T, 2, sig(2, 4, kv=0.1, slo=0.80), History(), 0)
+    assert (r.replicas, r.reason) == (3, Why.SLO)                 # attainment below target: one more
+
+
+def test_low_attainment_adds_one_replica_at_a_time_as_they_become_ready():
+    h = History()
+    assert recommend(T, 1, sig(1, 2, slo=0.3), h, now=0).replicas == 2
+    for now in (1, 2, 3, 4):                                      # the minute's attainment stays low while the
+        assert recommend(T, 2, sig(1, 2, slo=0.3), h, now).replicas == 2   # second replica starts: no runaway
+    assert recommend(T, 2, sig(2, 2, slo=0.3), h, now=60).replicas == 3    # it is ready and did not suffice
+
+
+def test_a_step_adds_at_most_max_scale_up():
+    t = Targets(**{**T.__dict__, "max_replicas": 20, "max_scale_up": 2})
+    assert recommend(t, 1, sig(1, 100), History(), 0).replicas == 3
+
+
+def test_scale_down_waits_for_the_whole_window_and_removes_one_at_a_time():
+    h = History()
+    assert recommend(T, 4, sig(4, 30), h, now=0).replicas == 4
+    for now in (10, 30, 50):                                      # load gone, but the window is not covered
+        r = recommend(T, 4, sig(4, 2), h, now)
+        assert (r.replicas, r.reason) == (4, Why.STABILIZING)
+    assert recommend(T, 4, sig(4, 2), h, now=55).replicas == 4    # the burst at 0 s is still in the 60 s window
+    r = recommend(T, 4, sig(4, 2), h, now=65)                     # the last 60 s all asked for 1
+    assert (r.replicas, r.reason) == (3, Why.REQUESTS)            # one replica per step
+    assert recommend(T, 3, sig(3, 2), h, now=80).replicas == 2
+    assert recommend(T, 2, sig(2, 2), h, now=95).replicas == 1
+
+
+def test_a_dip_inside_the_window_removes_nothing():
+    h = History()
+    for now in range(0, 200, 10):
+        load = 30 if now % 40 == 0 else 2                         # bursts every 40 s
+        assert recommend(T, 4, sig(4, load), h, now).replicas == 4
+
+
+def test_limited_at_max_says_so_without_exceeding_it():
+    r = recommend(T, 4, sig(4, 4, slo=0.5), History(), 0)
+    assert r.replicas == 4 and r.limited and "maxReplicas is 4" in r.message
+    r = recommend(T, 4, sig(4, 200), History(), 0)
+    assert r.replicas == 4 and r.limited
+
+
+def test_zero_and_back():
+    t = Targets(**{**T.__dict__, "min_replicas": 0})
+    h = History()
+    assert recommend(t, 1, sig(1, 0, idle=30), h, 0).replicas == 1          # idle, but not long enough
+    r = recommend(t, 1, sig(1, 0, idle=130), h, 70)
+    assert (r.replicas, r.reason) == (0, Why.SCALE_TO_ZERO)
+    assert recommend(t, 0, sig(0, 0), h, 80).replicas == 0                   # nobody waits
+    r = recommend(t, 0, sig(0, 1, pending=1), h, 90)
+    assert (r.replicas, r.reason) == (1, Why.SCALE_FROM_ZERO)               # a held request brings one back
+
+
+def test_min_replicas_is_a_floor_and_no_signal_changes_nothing():
+    t = Targets(**{**T.__dict__, "min_replicas": 2})
+    assert recommend(t, 1, sig(1, 0), History(), 0).replicas == 2
+    assert recommend(t, 3, None, History(), 0).reason == Why.NO_SIGNALS

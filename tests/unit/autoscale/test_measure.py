@@ -1,0 +1,99 @@
+"""Goodput, windowed cost, capacity and the autoscaler's signals, from a history of router readings."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet_operator.autoscale.measure import (
+    MIN_TOKENS,
+    Entry,
+    PriceHistory,
+    ReadingHistory,
+    capacity_candidate,
+    cold_start_seconds,
+    combine,
+    goodput,
+    signals,
+    window,
+    windowed_cost,
+)
+from tokenfleet_serving.contract.router_metrics import Histogram, RouterReading
+
+BUCKETS = (0.1, 0.2, 0.5, 1.0, float("inf"))
+
+
+def hist(values):
+    h = Histogram({le: float(sum(v <= le for v in values)) for le in BUCKETS}, float(len(values)), float(sum(values)))
+    return h
+
+
+def reading(met=0, missed=0, tokens=0, ttfts=(), load=None, kv=None, pending=0, idle=0.0, inflight=None,
+            draining=None, cold=()):
+    return RouterReading(backend_load=load or {}, backend_kv=kv or {}, backend_inflight=inflight or {},
+                         backend_draining=draining or {}, pending=pending, idle_s=idle, output_tokens=tokens,
+                         slo_requests={"met": met, "missed": missed}, slo_tokens={"met": tokens, "missed": 0},
+                         ttft=hist(ttfts), tpot=hist([]), cold_start=hist(cold))
+
+
+def history(*entries):
+    """(seconds, reading[, ready replicas]) entries."""
+    h = ReadingHistory()
+    for at, r, *ready in entries:
+        h.add(Entry(at, 1_700_000_000 + at, r, ready[0] if ready else 1))
+    return h
+
+
+def test_goodput_over_the_window_with_the_latency_at_the_percentile():
+    h = history((0, reading(), 2), (300, reading(met=18, missed=2, tokens=2000, ttfts=[0.05] * 18 + [0.9, 0.9]), 2))
+    g = goodput(h, 95.0)
+    assert g["requests"] == 20 and g["requestRatio"] == 0.9 and g["met"] is False
+    assert g["timeToFirstTokenSeconds"] == pytest.approx(0.75, abs=0.01)      # p95 falls in the (0.5, 1.0] bucket
+    assert goodput(h, 90.0)["met"] is True
+
+
+def test_cost_needs_enough_tokens_and_prices_the_window():
+    few = history((0, reading()), (300, reading(tokens=MIN_TOKENS - 1)))
+    assert "costPerMillionTokens" not in windowed_cost(few, 10.0)
+    enough = history((0, reading()), (300, reading(tokens=6000)))
+    c = windowed_cost(enough, 10.0)
+    assert c["tokensPerHour"] == 72000.0 and c["costPerMillionTokens"] == round(10.0 / 72000 * 1e6, 4)
+
+
+def test_a_router_restart_counts_from_zero_again():
+    h = history((0, reading(met=100, tokens=50000)), (300, reading(met=5, tokens=3000)))
+    w = window(h, 300)
+    assert w.requests == 5 and w.output_tokens == 3000
+
+
+def test_capacity_is_a_minute_that_met_the_slo_per_ready_replica():
+    h = history((0, reading(), 2), (60, reading(met=100, tokens=6000), 2))
+    c = capacity_candidate(h, 95.0, price_per_replica_hour=3.6)
+    assert c["tokensPerHourPerReplica"] == 180000.0 and c["costPerMillionTokens"] == 20.0
+    missed = history((0, reading(), 2), (60, reading(met=50, missed=50, tokens=6000), 2))
+    assert capacity_candidate(missed, 95.0, 3.6) is None
+
+
+def test_signals_from_the_ready_replicas_and_the_last_minute():
+    h = history((0, reading(), 2),
+                (60, reading(met=9, missed=1, load={"a-0": 5, "b-0": 3, "gone-0": 50}, kv={"a-0": 0.5, "b-0": 0.3},
+                             pending=2, idle=4.0), 2))
+    s = signals(h, {"a-0", "b-0"})
+    assert (s.ready_replicas, s.requests, s.kv_cache_usage, s.slo_attainment, s.pending, s.idle_s) == \
+        (2, 10, pytest.approx(0.4), 0.9, 2, 4.0)
+    assert signals(None, set()) is None
+
+
+def test_combining_routers_adds_what_they_count_and_keeps_the_replicas_load():
+    a = reading(met=1, tokens=10, load={"p": 3}, inflight={"p": 1}, pending=1, idle=5.0)
+    b = reading(met=2, tokens=20, load={"p": 3}, inflight={"p": 2}, pending=0, idle=1.0)
+    c = combine([a, b])
+    assert c.slo_requests["met"] == 3 and c.output_tokens == 30 and c.backend_load == {"p": 3}
+    assert c.backend_inflight == {"p": 3} and c.pending == 1 and c.idle_s == 1.0
+
+
+def test_cold_start_and_price_history():
+    h = history((0, reading()), (100, reading(cold=[2.0, 4.0])))
+    assert cold_start_seconds(h) == 3.0
+    prices = PriceHistory()
+    prices.add(0, 10.0)
+    prices.add(150, 20.0)
+    assert prices.mean(300, 300) == pytest.approx(15.0)

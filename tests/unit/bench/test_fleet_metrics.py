@@ -1,0 +1,73 @@
+"""The arithmetic of ``tokenfleet bench fleet``: the trace and its arrivals, per-request latencies as the
+client saw them, SLO attainment, lost requests, replica-seconds."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet_dev.bench import fleet_metrics as fm
+from tokenfleet_dev.bench.fleet_metrics import Phase, Slo
+
+TRACE = [Phase("ramp-up", 10, 0.0, 10.0), Phase("plateau", 20, 10.0, 10.0), Phase("idle", 10, 0.0, 0.0)]
+
+
+def test_rate_and_phase_follow_the_trace():
+    assert fm.trace_duration(TRACE) == 40
+    assert fm.rate_at(TRACE, 5) == pytest.approx(5.0)
+    assert fm.rate_at(TRACE, 15) == 10.0
+    assert fm.rate_at(TRACE, 35) == 0.0 and fm.rate_at(TRACE, 41) == 0.0
+    assert [fm.phase_at(TRACE, t) for t in (0, 9.99, 10, 29.9, 30, 40)] == ["ramp-up", "ramp-up", "plateau",
+                                                                             "plateau", "idle", None]
+    assert fm.phase_bounds(TRACE)["plateau"] == (10, 30)
+
+
+def test_arrivals_are_seeded_and_follow_the_rate():
+    a, b = fm.arrivals(TRACE, 7), fm.arrivals(TRACE, 7)
+    assert a == b and a != fm.arrivals(TRACE, 8)
+    assert all(0 <= t < 30 for t in a)                       # none in the idle phase
+    plateau = [t for t in a if 10 <= t < 30]
+    ramp = [t for t in a if t < 10]
+    assert 140 < len(plateau) < 260                          # 200 expected (Poisson, sd ~14)
+    assert 20 < len(ramp) < 80                               # 50 expected
+    assert fm.arrivals([Phase("idle", 10, 0, 0)], 1) == []
+
+
+def rec(sent=0.0, first=0.2, finished=1.2, tokens=11, complete=True):
+    return {"sent": sent, "first_token": first, "finished": finished, "output_tokens": tokens, "complete": complete}
+
+
+def test_ttft_and_tpot_as_the_client_saw_them():
+    r = rec()
+    assert fm.ttft(r) == pytest.approx(0.2)
+    assert fm.tpot(r) == pytest.approx(0.1)                  # (1.2 - 0.2) / (11 - 1)
+    assert fm.tpot(rec(tokens=1)) is None
+    assert fm.ttft(rec(first=None)) is None
+
+
+def test_slo_attainment_counts_lost_requests_as_misses():
+    slo = Slo(ttft_s=0.5, tpot_s=0.15)
+    records = [rec(), rec(first=0.6, finished=1.6), rec(finished=3.0), rec(complete=False), rec(tokens=1)]
+    assert [fm.meets(r, slo) for r in records] == [True, False, False, False, True]
+    assert fm.attainment(records, slo) == pytest.approx(2 / 5)
+    assert fm.attainment([], slo) is None
+    assert fm.lost(records) == 1
+
+
+def test_percentile_interpolates_and_skips_missing_values():
+    assert fm.percentile([1, 2, 3, 4, None], 50) == pytest.approx(2.5)
+    assert fm.percentile([5.0], 95) == 5.0
+    assert fm.percentile([None], 95) is None
+    assert fm.percentile(range(101), 95) == pytest.approx(95)
+
+
+def test_replica_seconds_integrate_a_step_function_over_the_window():
+    samples = [(100.0, 4), (110.0, 2), (120.0, 0)]
+    assert fm.integrate(samples, 100, 130) == pytest.approx(4 * 10 + 2 * 10)
+    assert fm.integrate(samples, 105, 115) == pytest.approx(4 * 5 + 2 * 5)
+    assert fm.integrate(samples, 90, 100) == pytest.approx(40)      # before the first sample, the first value holds
+    assert fm.integrate(samples, 130, 130) == 0.0 and fm.integrate([], 0, 10) == 0.0
+
+
+def test_cost_per_million_tokens_from_replica_seconds():
+    # 2 replica-hours at $3 per replica-hour for 1.5 M tokens: $4 per Mtok
+    assert fm.cost_per_million_tokens(7200, 3.0, 1.5e6) == pytest.approx(4.0)
+    assert fm.cost_per_million_tokens(7200, 3.0, 0) is None

@@ -1,0 +1,174 @@
+"""The Manager: watch events fill the cache and queue work, a key's own write does not queue it again, a
+standby queues nothing, and each reconcile outcome decides what comes next."""
+from __future__ import annotations
+
+from tokenfleet_operator.controller.errors import InvalidSpec, RetryLater
+from tokenfleet_operator.controller.manager import Manager
+from tokenfleet_operator.controller.triggers import GANG_PASS
+from tokenfleet_operator.kube import KubeError
+from tokenfleet_operator.validation import Problem
+
+SVC = "tokenfleet.dev/inference-service"
+
+
+def isvc(name, rv, **spec):
+    return {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ns", "resourceVersion": str(rv), "uid": "u"}, "spec": spec}
+
+
+class StatusWriter:
+    """The API server side of one status write: the object comes back with the next resourceVersion."""
+
+    def __init__(self):
+        self.rv = 100
+
+    def apply_status(self, obj, status, resource_version=None):
+        self.rv += 1
+        return {**obj, "status": status, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
+
+
+def manager(reconcilers, kube=None):
+    m = Manager(kube or StatusWriter(), reconcilers, gang_pass=None)
+    m.leading.set()          # as if it held the Lease (without starting threads)
+    return m
+
+
+def drain(m):
+    keys = []
+    while (key := m.queue.get(0)) is not None:
+        keys.append(key)
+        m.process(key)
+        m.queue.done(key)
+    return keys
+
+
+def test_a_reconciles_own_status_write_does_not_queue_it_again_but_another_change_does():
+    calls = []
+
+    def reconcile(ctx, ns, name):
+        calls.append(name)
+        body = ctx.cache.get("InferenceService", ns, name)
+        if not body.get("status"):
+            ctx.apply_status(body, {"phase": "x"})
+        return None
+
+    m = manager({"InferenceService": reconcile})
+    m.observe("InferenceService", "ADDED", isvc("a", 1))
+    assert drain(m) == [("InferenceService", "ns", "a")]
+    written = m.cache.get("InferenceService", "ns", "a")
+    assert written["status"] == {"phase": "x"}                          # the write is in the cache at once
+    m.observe("InferenceService", "MODIFIED", written)                   # its watch event: an echo
+    assert drain(m) == [] and calls == ["a"]
+    m.observe("InferenceService", "MODIFIED", isvc("a", int(written["metadata"]["resourceVersion"]) + 1))
+    assert drain(m) == [("InferenceService", "ns", "a")]                # a user's change is work
+
+
+def test_a_child_event_queues_its_owner_and_a_standby_queues_nothing():
+    m = manager({"InferenceService": lambda ctx, ns, name: None, "Slice": lambda ctx, ns, name: None})
+    m.leading.clear()
+    gang = {"metadata": {"name": "a-0", "namespace": "ns", "resourceVersion": "3", "labels": {SVC: "a"}},
+            "spec": {"accelerator": {"type": "nvidia-l4"}}}
+    m.observe("Slice", "ADDED", gang)
+    assert m.queue.get(0) is None and m.cache.get("Slice", "ns", "a-0") is not None   # cached, not queued
+    m.leading.set()
+    gang2 = {**gang, "metadata": {**gang["metadata"], "resourceVersion": "4"}}
+    m.observe("Slice", "MODIFIED", gang2)
+    queued = {m.queue.get(0), m.queue.get(0)}
+    assert queued == {("Slice", "ns", "a-0"), ("InferenceService", "ns", "a")}
+    assert GANG_PASS in m.queue._due                                      # the gang pass, after a short settle
+
+
+def test_a_pvc_event_queues_the_services_that_wait_for_it():
+    m = manager({})
+    m.cache.store("InferenceService", isvc("uses", 1, model={"pvc": {"claimName": "weights"}}))
+    m.cache.store("InferenceService", isvc("other", 1, model={"path": "/m"}))
+    m.observe("PersistentVolumeClaim", "ADDED", {"metadata": {"name": "weights", "namespace": "ns", "resourceVersion": "9"}})
+    assert m.queue.get(0) == ("InferenceService", "ns", "uses") and m.queue.get(0) is None
+
+
+def test_outcomes_decide_what_comes_next():
+    outcome = {}
+
+    def reconcile(ctx, ns, name):
+        if outcome.get(name):
+            raise outcome[name]
+        return 30.0
+
+    m = manager({"InferenceService": reconcile})
+    key = ("InferenceService", "ns", "a")
+    m.process(key)
+    assert m.queue._due[key] > 0                                         # "look again in 30 s"
+    outcome["b"] = RetryLater("waiting", 7.0)
+    m.process(("InferenceService", "ns", "b"))
+    assert ("InferenceService", "ns", "b") in m.queue._due
+    outcome["c"] = KubeError(500, "boom")
+    for _ in range(3):
+        m.process(("InferenceService", "ns", "c"))
+    assert m.queue.failures(("InferenceService", "ns", "c")) == 3        # backs off, doubling
+    outcome["d"] = InvalidSpec(Problem("InvalidSpec", "spec.x", "bad"))
+    m.process(("InferenceService", "ns", "d"))
+    assert ("InferenceService", "ns", "d") not in m.queue._due           # only a new spec helps
+    outcome.pop("c")
+    m.process(("InferenceService", "ns", "c"))
+    assert m.queue.failures(("InferenceService", "ns", "c")) == 0         # success resets the backoff
+
+
+def test_a_write_that_reveals_someone_elses_change_is_not_taken_for_an_echo():
+    """A status write returns the object as the server has it: with an annotation someone else added since
+    the cache last saw the object. That change is news to the key, whose watch event must not be dropped."""
+
+    class AnnotatingServer(StatusWriter):
+        def apply_status(self, obj, status, resource_version=None):
+            out = super().apply_status(obj, status)
+            out["metadata"]["annotations"] = {"tokenfleet.dev/gang-decision": "{}"}
+            return out
+
+    seen = []
+
+    def reconcile(ctx, ns, name):
+        body = ctx.cache.get("InferenceService", ns, name)
+        seen.append((body["metadata"].get("annotations") or {}).copy())
+        if not body.get("status"):
+            ctx.apply_status(body, {"phase": "x"})
+
+    m = manager({"InferenceService": reconcile}, kube=AnnotatingServer())
+    m.observe("InferenceService", "ADDED", isvc("a", 1))
+    key = ("InferenceService", "ns", "a")
+    assert drain(m) == [key, key]                                         # looked at again, with the annotation
+    assert seen == [{}, {"tokenfleet.dev/gang-decision": "{}"}]
+    m.observe("InferenceService", "MODIFIED", m.cache.get("InferenceService", "ns", "a"))
+    assert drain(m) == []                                                 # the write's own event: no news
+
+
+def test_the_echo_of_a_write_reaches_every_key_but_the_writer_once():
+    """An InferenceService's reconcile creates a Slice: the Slice's own key and the gang pass must hear of it,
+    though the cache already holds the object; the writer does not, and a repeat of the event is no news."""
+    calls = []
+
+    class Applier(StatusWriter):
+        def apply(self, manifest):
+            self.rv += 1
+            return {**manifest, "metadata": {**manifest["metadata"], "resourceVersion": str(self.rv)}}
+
+    def reconcile_service(ctx, ns, name):
+        calls.append(("InferenceService", name))
+        if ctx.cache.get("Slice", ns, f"{name}-0") is None:
+            ctx.apply({"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice",
+                       "metadata": {"name": f"{name}-0", "namespace": ns, "labels": {SVC: name}},
+                       "spec": {"accelerator": {"type": "nvidia-l4"}}})
+        return None
+
+    def reconcile_slice(ctx, ns, name):
+        calls.append(("Slice", name))
+        return None
+
+    m = manager({"InferenceService": reconcile_service, "Slice": reconcile_slice}, kube=Applier())
+    m.observe("InferenceService", "ADDED", isvc("a", 1))
+    drain(m)
+    created = m.cache.get("Slice", "ns", "a-0")
+    m.observe("Slice", "ADDED", created)                       # the echo of the apply
+    assert drain(m) == [("Slice", "ns", "a-0")] and GANG_PASS in m.queue._due
+    m.queue._due.clear()
+    m.observe("Slice", "ADDED", created)                       # the same event again (a relist): no news
+    assert drain(m) == [] and not m.queue._due
+    assert calls == [("InferenceService", "a"), ("Slice", "a-0")]

@@ -1,0 +1,112 @@
+"""The pod runner's pure part: what process a pod becomes."""
+import sys
+
+import pytest
+
+from tokenfleet_dev.localcluster.launch import LaunchError, container_launches, expand
+
+PREFIX = "tokenfleet/serving"
+
+
+def pod(containers, volumes=(), name="p", ns="ns1"):
+    return {"metadata": {"name": name, "namespace": ns, "uid": "u-1", "labels": {"app": "x"}},
+            "spec": {"nodeName": "node-a", "containers": list(containers), "volumes": list(volumes)}}
+
+
+def launch(p, **kw):
+    return container_launches(p, "127.2.0.9", "127.10.0.1", {"PATH": "/bin", "SECRET_OF_RUNNER": "x"},
+                              "/tmp/scratch", PREFIX, **kw)
+
+
+def test_expand_follows_kubelet_rules():
+    env = {"A": "1", "B": "two"}
+    assert expand("$(A)-$(B)", env) == "1-two"
+    assert expand("$(MISSING)", env) == "$(MISSING)"
+    assert expand("$$(A)", env) == "$(A)"
+    assert expand("no refs", env) == "no refs"
+
+
+def test_only_containers_of_the_serving_image_are_launched():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["echo"]},
+             {"name": "side", "image": "busybox", "command": ["sleep"]}])
+    assert [c.name for c in launch(p)] == ["srv"]
+
+
+def test_env_downward_api_and_argv_expansion():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1",
+              "command": ["tokenfleet", "serve"], "args": ["--host", "$(MY_IP)", "--name=$(POD_NAME)"],
+              "env": [{"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                      {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                      {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                      {"name": "GREETING", "value": "hi $(POD_NAME)"}]}])
+    (c,) = launch(p)
+    assert c.argv == (sys.executable, "-m", "tokenfleet_cli", "serve", "--host", "127.2.0.9", "--name=p")
+    assert c.env["MY_IP"] == "127.2.0.9" and c.env["APP"] == "x" and c.env["GREETING"] == "hi p"
+    assert c.env["PATH"] == "/bin" and "SECRET_OF_RUNNER" not in c.env
+
+
+def test_host_path_mounts_are_mapped_in_args_and_env():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["run"],
+              "args": ["--model", "/models/tiny", "--cache=/scratch/c", "/modelsX"],
+              "env": [{"name": "M", "value": "/models/tiny/config.json"}],
+              "volumeMounts": [{"name": "m", "mountPath": "/models"}, {"name": "s", "mountPath": "/scratch"}]}],
+            volumes=[{"name": "m", "hostPath": {"path": "/srv/weights"}}, {"name": "s", "emptyDir": {}}])
+    (c,) = launch(p)
+    assert c.argv[1:] == ("--model", "/srv/weights/tiny", "--cache=/tmp/scratch/volumes/s/c", "/modelsX")
+    assert c.env["M"] == "/srv/weights/tiny/config.json"
+    assert c.empty_dirs == ("/tmp/scratch/volumes/s",)        # made before the process starts
+
+
+def test_readiness_probe_by_named_port():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["x"],
+              "ports": [{"name": "http", "containerPort": 8000}],
+              "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2,
+                                 "initialDelaySeconds": 1}}])
+    (c,) = launch(p)
+    assert (c.readiness.kind, c.readiness.port, c.readiness.path, c.readiness.period) == ("http", 8000, "/ready", 2)
+
+
+@pytest.mark.parametrize("container, volumes, message", [
+    ({"readinessProbe": {"exec": {"command": ["true"]}}}, [], "only httpGet and tcpSocket"),
+    ({"readinessProbe": {"tcpSocket": {"port": "nope"}}}, [], "names no containerPort"),
+    ({"env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}}]}, [], "status.podIPs"),
+    ({"volumeMounts": [{"name": "ghost", "mountPath": "/g"}]}, [], "names no volume"),
+    ({"volumeMounts": [{"name": "n", "mountPath": "/n"}]}, [{"name": "n", "nfs": {"server": "s", "path": "/"}}],
+     "only hostPath, emptyDir, configMap, secret and projected"),
+    ({"env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}, [], "no key"),
+])
+def test_unsupported_or_broken_pods_fail_with_a_message(container, volumes, message):
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["x"], **container}], volumes)
+    with pytest.raises(LaunchError, match=message):
+        launch(p, lookup=lambda *a: None)
+
+
+def test_config_map_references_resolve_through_lookup():
+    seen = []
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["x"],
+              "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}])
+    (c,) = launch(p, lookup=lambda *a: seen.append(a) or "value")
+    assert c.env["X"] == "value" and seen == [("configmap", "ns1", "cm", "k")]
+
+
+def test_config_map_and_secret_volumes_become_local_file_folders():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["run", "--config", "/etc/app/router.json"],
+              "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}, {"name": "key", "mountPath": "/secrets"}]}],
+            volumes=[{"name": "cfg", "configMap": {"name": "router"}},
+                     {"name": "key", "secret": {"secretName": "api", "items": [{"key": "k", "path": "api-key"}],
+                                                "optional": True}}])
+    (c,) = launch(p)
+    assert c.argv[1:] == ("--config", "/tmp/scratch/volumes/cfg/router.json")
+    cfg, key = c.volumes
+    assert (cfg.kind, cfg.source, cfg.dir, cfg.items, cfg.optional) == ("configmap", "router", "/tmp/scratch/volumes/cfg", (), False)
+    assert (key.kind, key.source, key.items, key.optional) == ("secret", "api", (("k", "api-key"),), True)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("0.0.0.0", "127.2.0.9"), ("::", "127.2.0.9"), ("--host=0.0.0.0", "--host=127.2.0.9"),
+    ("0.0.0.0:8000", "127.2.0.9:8000"), ("--bind=[::]:80", "--bind=127.2.0.9:80"),
+    ("10.0.0.0", "10.0.0.0"), ("0.0.0.0.tar", "0.0.0.0.tar"), ("x=1", "x=1")])
+def test_wildcard_bind_addresses_become_the_pod_ip(arg, expected):
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["serve", arg]}])
+    (c,) = launch(p)
+    assert c.argv[1] == expected

@@ -1,0 +1,45 @@
+from tokenfleet_operator import conditions as cond
+
+
+def test_merge_sets_transition_time_only_when_status_changes():
+    first = cond.merge(None, [cond.Desired("Ready", "False", "Starting", "a")], now="2026-01-01T00:00:00Z", generation=1)
+    assert first == [{"type": "Ready", "status": "False", "reason": "Starting", "message": "a",
+                      "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 1}]
+    same_status = cond.merge(first, [cond.Desired("Ready", "False", "Waiting", "b")], now="2026-01-01T00:05:00Z", generation=2)
+    assert same_status[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    assert same_status[0]["reason"] == "Waiting" and same_status[0]["observedGeneration"] == 2
+    flipped = cond.merge(same_status, [cond.Desired("Ready", "True", "Serving")], now="2026-01-01T00:09:00Z")
+    assert flipped[0]["lastTransitionTime"] == "2026-01-01T00:09:00Z"
+    assert "observedGeneration" not in flipped[0]
+
+
+def test_merge_is_idempotent():
+    desired = [cond.Desired("Ready", "True", "Serving", "ok"), cond.Desired("Degraded", "False", "AsExpected")]
+    once = cond.merge(None, desired, now="2026-01-01T00:00:00Z")
+    twice = cond.merge(once, desired, now="2026-02-01T00:00:00Z")
+    assert once == twice
+
+
+def test_merge_keeps_foreign_conditions_and_orders_desired_first():
+    foreign = [{"type": "example.com/Audited", "status": "True", "reason": "Done", "lastTransitionTime": "x"}]
+    out = cond.merge(foreign, [cond.Desired("Ready", "True", "Serving")], now="t")
+    assert [c["type"] for c in out] == ["Ready", "example.com/Audited"]
+
+
+def test_duplicate_types_are_a_bug():
+    import pytest
+    with pytest.raises(ValueError, match="Ready"):
+        cond.merge(None, [cond.Desired("Ready", "True", "A"), cond.Desired("Ready", "False", "B")], now="t")
+
+
+def test_transitions_lists_only_status_changes():
+    before = cond.merge(None, [cond.Desired("Ready", "False", "A"), cond.Desired("Degraded", "False", "B")], now="t")
+    after = cond.merge(before, [cond.Desired("Ready", "True", "C"), cond.Desired("Degraded", "False", "D")], now="u")
+    assert [(t.type, t.old_status, t.new_status, t.reason) for t in cond.transitions(before, after)] == [("Ready", "False", "True", "C")]
+    assert [t.type for t in cond.transitions(None, after)] == ["Ready", "Degraded"]
+
+
+def test_rfc3339_round_trip():
+    import datetime as dt
+    moment = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.UTC)
+    assert cond.parse_rfc3339(cond.now_rfc3339(moment)) == moment
