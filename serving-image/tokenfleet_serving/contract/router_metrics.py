@@ -28,7 +28,7 @@ SLO_OUTPUT_TOKENS = "tokenfleet_router_slo_output_tokens_total"    # label resul
 TTFT = "tokenfleet_router_time_to_first_token_seconds"             # histogram
 TPOT = "tokenfleet_router_time_per_output_token_seconds"           # histogram
 E2E = "tokenfleet_router_e2e_request_latency_seconds"              # histogram
-COLD_START = "tokenfleet_router_cold_start_seconds"                # histogram: arrival to first token, no replica at arrival
+COLD_START = "tokenfleet_router_cold_start_seconds"                # histogram: arrival to first token of requests that waited for a replica
 
 # Histogram buckets shared by the router (observing) and the operator (reading percentiles).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,

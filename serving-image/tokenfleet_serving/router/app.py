@@ -307,15 +307,14 @@ class Router:
         body = parse_json_body(raw)      # what the server would refuse as a body, the router refuses alike
         timing = Timing(self.fleet.clock(), stream=isinstance(body, dict) and body.get("stream") is True)
         self.last_request_at = timing.arrived
-        cold = False
         try:
             if not self.fleet.routable():
-                cold = await self._hold()
+                timing.held = await self._hold()
             return await self._route(request, kind, path, body, raw, timing)
         finally:
             timing.finished = timing.finished or self.fleet.clock()
             if not timing.client_error:      # a request the backend refused as invalid is not a service miss
-                self.metrics.observe(timing, meets_slo(self.config.slo, timing), cold)
+                self.metrics.observe(timing, meets_slo(self.config.slo, timing), timing.held)
 
     async def _route(self, request: web.Request, kind: str, path: str, body: Any, raw: bytes,
                      timing: Timing) -> web.StreamResponse:
@@ -351,6 +350,7 @@ class Router:
                        next(self.sequence), fallback)
         opened = await self._open(ctx, raw)
         if opened is None and await self._hold(ctx):     # none took it: wait for one to be back
+            timing.held = True
             opened = await self._open(ctx, raw)
         if opened is None:
             return self._no_backend(tier.name)

@@ -35,7 +35,7 @@ definitions in ``observe.py``):
 | ``tokenfleet_router_slo_output_tokens_total{result}`` | counter | their output tokens |
 | ``tokenfleet_router_output_tokens_total`` | counter | output tokens delivered to clients |
 | ``tokenfleet_router_pending_requests`` | gauge | requests held because no replica is ready (scale from zero) |
-| ``tokenfleet_router_cold_start_seconds`` | histogram | arrival to first token of requests that found no replica ready |
+| ``tokenfleet_router_cold_start_seconds`` | histogram | arrival to first token of requests that waited for a replica: none was ready when they arrived, or none could take them (their replica had just died) |
 | ``tokenfleet_router_seconds_since_last_request`` | gauge | idle time (scale to zero) |
 | ``tokenfleet_router_backend_draining{backend}`` | gauge | 1 while a backend gets no new requests (scale-down) |
 """
@@ -80,7 +80,7 @@ class RouterMetrics:
         self.tpot = Histogram(rm.TPOT, "Time per output token after the first, of streamed requests.",
                               buckets=rm.TPOT_BUCKETS, registry=reg)
         self.e2e = Histogram(rm.E2E, "Arrival to the last byte of the response.", buckets=rm.E2E_BUCKETS, registry=reg)
-        self.cold_start = Histogram(rm.COLD_START, "Arrival to first token of requests that found no replica ready.",
+        self.cold_start = Histogram(rm.COLD_START, "Arrival to first token of requests that waited for a replica to be ready.",
                                     buckets=rm.COLD_START_BUCKETS, registry=reg)
         self.slo_requests = Counter(rm.SLO_REQUESTS.removesuffix("_total"), "Requests that met or missed the SLO.",
                                     ["result"], registry=reg)

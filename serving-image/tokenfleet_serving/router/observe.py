@@ -92,6 +92,7 @@ class Timing:
     output_tokens: int = 0
     ok: bool = False
     client_error: bool = False     # the backend refused the request as invalid (4xx)
+    held: bool = False             # it waited for a replica before its first token (a cold start)
 
     @property
     def ttft(self) -> float | None:

@@ -120,3 +120,31 @@ def test_a_draining_replica_gets_no_new_requests(tmp_path, tiny_model, backends)
         assert served == {"tiny-0-0"}
     finally:
         router.kill()
+
+
+def test_a_request_whose_replica_died_waits_for_it_and_counts_as_a_cold_start(tmp_path, tiny_model, backends):
+    """The gang restart case: the replica dies while the router still routes to it; the request it refused waits
+    (noReplicaHoldSeconds) until the replacement, a pod of the same name at a new address, is listed. It waited
+    for a replica: a cold start, like a request that found none ready when it arrived."""
+    doomed = start_backend(tiny_model, "--api-key", ROUTER_KEY, "--host", "0.0.0.0")   # reachable at 127.0.0.2
+    router = router_for(tmp_path, tiny_model, {}, noReplicaHoldSeconds=60)
+    try:
+        (tmp_path / "endpoints.json").write_text(json.dumps(
+            [{"pod": "tiny-0-0", "slice": "tiny-0", "ip": "127.0.0.2", "port": doomed.port, "ready": True}]))
+        wait_until(lambda: stream(router.base_url)[0] == 200, 60, what="the replica serving through the router")
+        before = metric_samples(router.base_url).get("tokenfleet_router_cold_start_seconds_count", 0)
+        doomed.kill()
+        results = []
+        t = threading.Thread(target=lambda: results.append(stream(router.base_url)[0]))
+        t.start()
+        wait_until(lambda: metric_samples(router.base_url)["tokenfleet_router_pending_requests"] == 1, 30,
+                   what="the request held")
+        replacement = [{"pod": "tiny-0-0", "slice": "tiny-0", "ip": "127.0.0.1", "port": backends["tiny-0-0"].port,
+                        "ready": True}]
+        (tmp_path / "endpoints.json").write_text(json.dumps(replacement))
+        t.join(60)
+        assert results == [200]
+        assert metric_samples(router.base_url)["tokenfleet_router_cold_start_seconds_count"] == before + 1
+    finally:
+        router.kill()
+        doomed.kill()
