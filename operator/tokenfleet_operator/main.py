@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     manager = Manager(
         kube, reconcilers,
         gang_pass=gang_pass if scheduler else None, namespaces=namespaces, workers=args.workers, resync_seconds=args.resync_seconds,
-        collector_period=args.collect_seconds,
+        collector_period=args.collect_seconds, gang_interval=args.schedule_interval_seconds,
     )
     elector = None
     if args.no_leader_election:

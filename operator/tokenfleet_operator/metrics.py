@@ -4,10 +4,12 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
-    "tokenfleet_reconcile_total", "Reconcile passes by kind and result (ok, invalid, retry, error).", ["kind", "result"]
+    "tokenfleet_reconcile_total", "Reconcile passes by kind and result (ok, invalid, retry, error; unchanged: a resync found nothing new; "
+    "skipped: a periodic gang pass with nothing waiting).", ["kind", "result"]
 )
 RECONCILE_SECONDS = Histogram(
-    "tokenfleet_reconcile_duration_seconds", "Wall time of one reconcile pass.", ["kind"],
+    "tokenfleet_reconcile_duration_seconds", "Wall time of one reconcile pass that ran (unchanged and skipped ones are not timed).",
+    ["kind"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 RECONCILES_BY_OBJECT = Counter(

@@ -6,10 +6,14 @@ replaces the cached one only if its resourceVersion is not older, so a late watc
 cache back. Reconciles read from here instead of listing from the API server; the gang scheduler, which
 must see its own binds, still lists with quorum reads.
 
-Objects are stored as the API server sent them and handed out as they are: callers treat them as read-only.
+Objects are stored compacted (``compact``): without ``metadata.managedFields`` and kubectl's last-applied
+copy, which no reconcile reads and which are a third of a pod's bytes, and with their keys interned, so that
+ten thousand objects share one copy of each field name instead of holding their own. They are handed out as
+stored: callers treat them as read-only.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
@@ -17,6 +21,32 @@ from typing import Any
 
 Obj = dict[str, Any]
 ObjKey = tuple[str | None, str]          # (namespace, name)
+
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+_SHORT = 32          # values this short (reasons, phases, "True", image names) are interned like the keys
+
+
+def _compacted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {sys.intern(k): _compacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_compacted(v) for v in value]
+    if isinstance(value, str) and len(value) <= _SHORT:
+        return sys.intern(value)
+    return value
+
+
+def compact(obj: Obj) -> Obj:
+    """A copy of an API object as the cache keeps it: no managedFields, no last-applied annotation, keys and
+    short strings interned. Everything a reconcile reads is unchanged."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict) and ("managedFields" in meta or LAST_APPLIED in (meta.get("annotations") or {})):
+        meta = {k: v for k, v in meta.items() if k != "managedFields"}
+        if LAST_APPLIED in (meta.get("annotations") or {}):
+            meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != LAST_APPLIED}
+        obj = {**obj, "metadata": meta}
+    out: Obj = _compacted(obj)
+    return out
 
 
 def _rv(obj: Obj) -> int | None:
@@ -55,6 +85,7 @@ class ObjectCache:
                 if old_rv is not None and old_rv == new_rv:
                     return False
                 self._unindex(kind, key, old)
+            obj = compact(obj)
             self._objects[kind][key] = obj
             self._reindex(kind, key, obj)
             return True

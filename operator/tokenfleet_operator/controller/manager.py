@@ -11,9 +11,13 @@
   The queue coalesces triggers and never runs one key on two workers at once, so reconciles of one object
   are sequential without any lock of ours.
 - Periodic work is a delayed key: the resync (every ``resync_seconds``), the gang pass (every
-  ``schedule_interval``), a reconcile's "look again in N s".
+  ``gang_interval``), a reconcile's "look again in N s". A periodic gang pass runs only while a gang Slice
+  waits for it (``gang/waiting.py``) or once every ``GANG_FULL_PASS_SECONDS``; a watch event that changes
+  what placement reads always gets one.
 - A write's result goes into the cache at once; its watch event, when it comes back, does not queue the
   key that wrote it again (the write is remembered by resourceVersion).
+- A resync of a key whose last pass read nothing that has changed since, and that nothing asked for since,
+  is skipped (``reads.py``); the reconcile metrics count it as ``result="unchanged"``.
 - Only the leader (``leader.py``) works the queue and runs the collector; a standby keeps its cache warm
   and starts with a full resync the moment it takes over.
 """
@@ -32,8 +36,10 @@ from tokenfleet_operator.autoscale.memory import ServiceMemory
 from tokenfleet_operator.controller.cache import ObjectCache
 from tokenfleet_operator.controller.collector import Collector
 from tokenfleet_operator.controller.errors import InvalidSpec, RetryLater
-from tokenfleet_operator.controller.triggers import GANG_PASS, RESYNC, Key, is_gang_slice, pvc_claim, triggers
+from tokenfleet_operator.controller.reads import Check, Fingerprint, RecordingCache, RecordingCollector
+from tokenfleet_operator.controller.triggers import GANG_PASS, RESYNC, Key, changes_placement, is_gang_slice, pvc_claim, triggers
 from tokenfleet_operator.controller.workqueue import WorkQueue
+from tokenfleet_operator.gang.waiting import gang_work_waiting
 from tokenfleet_operator.kube import Kube, KubeError
 from tokenfleet_operator.naming import MANAGED_BY, MANAGED_BY_LABEL, SERVICE_LABEL, SLICE_LABEL
 
@@ -53,6 +59,9 @@ WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
     ("PersistentVolumeClaim", "v1", "persistentvolumeclaims", None),
 )
 CLUSTER_SCOPED = {"SliceQueue", "Node"}
+
+# A periodic gang pass with nothing waiting is skipped (gang/waiting.py); a full one runs at least this often.
+GANG_FULL_PASS_SECONDS = 60.0
 
 # kind -> labels its cached objects are indexed by
 CACHE_INDEXES = {
@@ -78,6 +87,14 @@ class Context:
     _note_write: Callable[[str, dict[str, Any], Key], None]
     _again: Callable[[Key], None]
     memory: ServiceMemory = field(default_factory=ServiceMemory)   # this key's memory across passes (leader only)
+    checks: list[Check] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+
+    def recheck(self, seconds: float, still: Callable[[], bool]) -> None:
+        """This pass asked something that is not in the cache (``still`` asks it again and says whether the
+        answer is the same): until ``seconds`` from now an unchanged resync may be skipped, then it is asked
+        again (``controller/reads.py``)."""
+        self.checks.append(Check(self.clock() + seconds, seconds, still))
 
     def _wrote(self, kind: str, obj: dict[str, Any] | None, before: dict[str, Any] | None, part: str) -> dict[str, Any] | None:
         """Store what a write returned and remember it as this key's own write, whose watch event is no news
@@ -129,12 +146,17 @@ def _untouched_by_others(before: dict[str, Any], after: dict[str, Any], part: st
 class Manager:
     def __init__(self, kube: Kube, reconcilers: dict[str, Reconciler], *, gang_pass: Callable[[], float] | None,
                  namespaces: list[str] | None = None, workers: int = 4, resync_seconds: float = 300.0,
-                 collector_period: float = 10.0):
+                 collector_period: float = 10.0, gang_interval: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.kube = kube
         self.namespaces = namespaces
         self.reconcilers = reconcilers
         self.gang_pass = gang_pass
         self.resync_seconds = resync_seconds
+        self.gang_interval = gang_interval
+        self.clock = clock
+        self._gang_news = True               # the first pass of a leader is a full one
+        self._last_full_pass: float | None = None
         self.cache = ObjectCache(CACHE_INDEXES)
         self.queue = WorkQueue("reconcile", on_wait=lambda name, s: metrics.QUEUE_WAIT.observe(s))
         self.collector = Collector(self.cache, on_change=self._measured, period=collector_period)
@@ -144,11 +166,20 @@ class Manager:
         self._writes_lock = threading.Lock()
         self._own_writes: dict[tuple[str, str | None, str], tuple[int, Key]] = {}
         self._memory: dict[Key, ServiceMemory] = {}
+        self._asked_lock = threading.Lock()
+        self._asked: dict[Key, int] = {}           # key -> how many times something asked for it
+        self._fingerprints: dict[Key, tuple[int, Fingerprint]] = {}
         self.triggers_seen = 0
 
     # ---- from the watches ---------------------------------------------------------------
     def observe(self, kind: str, event_type: str | None, obj: dict[str, Any]) -> None:
         """One watch event (Kopf's): update the cache, queue what it asks for."""
+        old = None
+        if kind in ("Node", "Pod") and event_type != "DELETED":
+            meta = obj.get("metadata") or {}
+            old = self.cache.get(kind, meta.get("namespace"), meta.get("name", ""))
+            if old is not None and (old.get("metadata") or {}).get("resourceVersion") == meta.get("resourceVersion"):
+                old = None       # the echo of an own write, stored before its event: what it changed is unknown
         changed = self.cache.observe(kind, event_type, obj)
         # The echo of a write is no change to the cache (the write's result is stored at once), but it is news
         # to every key the event concerns except the writer: a Slice an InferenceService created must be
@@ -172,12 +203,26 @@ class Manager:
         for key in keys:
             if key == writer:
                 continue                 # the echo of a key's own write: nothing new for it
+            if key == GANG_PASS and event_type != "DELETED" and not changes_placement(kind, old, obj):
+                continue                 # a heartbeat, a pod's readiness: no capacity moved
             self.triggers_seen += 1
             metrics.TRIGGERS.labels(kind=key[0]).inc()
             if key == GANG_PASS:
+                self._gang_news = True
                 self.queue.add_after(key, 0.05)     # let a burst of member-pod events settle into one pass
             else:
-                self.queue.add(key)
+                self._ask(key)
+
+    def _ask(self, key: Key) -> None:
+        """Queue a key because something may have changed for it: its next pass runs in full."""
+        with self._asked_lock:
+            self._asked[key] = self._asked.get(key, 0) + 1
+            self._fingerprints.pop(key, None)
+        self.queue.add(key)
+
+    def _times_asked(self, key: Key) -> int:
+        with self._asked_lock:
+            return self._asked.get(key, 0)
 
     def _note_write(self, kind: str, obj: dict[str, Any], writer: Key) -> None:
         meta = obj.get("metadata") or {}
@@ -208,7 +253,7 @@ class Manager:
     def _measured(self, key: Key) -> None:
         """The collector read a new value: the owner's status should show it."""
         if self.leading.is_set():
-            self.queue.add(key)
+            self._ask(key)
 
     # ---- leadership -----------------------------------------------------------------------
     def prime(self) -> None:
@@ -268,6 +313,17 @@ class Manager:
         for t in self._threads:
             t.join(timeout=10)
 
+    def _gang_pass_due(self) -> bool:
+        """A full gang pass runs after news from a watch event, while a gang Slice waits for one, or when the
+        last full one is ``GANG_FULL_PASS_SECONDS`` old; otherwise the periodic pass is skipped."""
+        news, self._gang_news = self._gang_news, False
+        now = self.clock()
+        due = news or self._last_full_pass is None or now - self._last_full_pass >= GANG_FULL_PASS_SECONDS \
+            or gang_work_waiting(self.cache.list("Slice"), self.cache.list("Pod"))
+        if due:
+            self._last_full_pass = now
+        return due
+
     # ---- the workers ------------------------------------------------------------------------
     def _work(self) -> None:
         self.queue.work(self.process)
@@ -283,17 +339,38 @@ class Manager:
         try:
             if key == GANG_PASS:
                 assert self.gang_pass is not None
-                self.queue.add_after(GANG_PASS, self.gang_pass())
+                if self._gang_pass_due():
+                    self.queue.add_after(GANG_PASS, self.gang_pass())
+                else:
+                    result = "skipped"
+                    self.queue.add_after(GANG_PASS, self.gang_interval)
                 return
             assert namespace is not None
             if kind == "InferenceService":
                 self.collector.track(key)
-            ctx = Context(self.kube, self.cache, self.collector, key, self.gang_pass is not None, self._note_write,
-                          self.queue.add, self._memory.setdefault(key, ServiceMemory()))
+            asked = self._times_asked(key)
+            with self._asked_lock:
+                last = self._fingerprints.pop(key, None)
+            if last is not None and last[0] == asked and last[1].unchanged(self.cache, self.collector, self.clock()):
+                with self._asked_lock:
+                    self._fingerprints[key] = last
+                result = "unchanged"
+                self.queue.forget(key)
+                return
+            cache, collector = RecordingCache(self.cache), RecordingCollector(self.collector)
+            ctx = Context(self.kube, cache, collector, key, self.gang_pass is not None, self._note_write,
+                          self._ask, self._memory.setdefault(key, ServiceMemory()), clock=self.clock)
             delay = self.reconcilers[kind](ctx, namespace, name)
             self.queue.forget(key)
             if delay:
                 self.queue.add_after(key, delay)
+            elif self.cache.get(kind, namespace, name) is not None:
+                with self._asked_lock:
+                    if self._asked.get(key, 0) == asked:      # nothing asked for it while it ran
+                        self._fingerprints[key] = (asked, Fingerprint(cache.reads, collector.reads, ctx.checks))
+            else:
+                with self._asked_lock:
+                    self._asked.pop(key, None)                # gone: nothing to remember
         except InvalidSpec as e:
             result = "invalid"
             self.queue.forget(key)
@@ -314,6 +391,7 @@ class Manager:
             metrics.RECONCILES.labels(kind=kind, result=result).inc()
             if namespace is not None:
                 metrics.RECONCILES_BY_OBJECT.labels(kind=kind, namespace=namespace, name=name).inc()
-            metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.monotonic() - started)
+            if result not in ("unchanged", "skipped"):
+                metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.monotonic() - started)
             metrics.QUEUE_DEPTH.set(len(self.queue))
 

@@ -12,6 +12,9 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
 - a Node or a SliceQueue: the gang pass (capacity or quota changed);
 - a PersistentVolumeClaim: the services that load their model from it (found by the caller, who has the
   cache: ``pvc_claim``).
+
+An update of a Node or a Pod asks for the gang pass only if it changed what placement reads
+(``changes_placement``): a node's heartbeat or a pod's readiness does not move any capacity.
 """
 from __future__ import annotations
 
@@ -61,6 +64,25 @@ def triggers(kind: str, obj: dict[str, Any]) -> list[Key]:
     elif kind in ("Node", "SliceQueue"):
         keys.append(GANG_PASS)
     return keys
+
+
+def _pod_placement(pod: dict[str, Any]) -> tuple[Any, ...]:
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    return (spec.get("nodeName"), spec.get("schedulerName"), status.get("phase") in ("Succeeded", "Failed"),
+            bool(meta.get("deletionTimestamp")), (meta.get("labels") or {}).get(SLICE_LABEL))
+
+
+def changes_placement(kind: str, old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether the update from ``old`` (None: not seen before) to ``new`` can change the gang pass's plan.
+    Only Nodes and Pods are filtered; every other kind counts as a change."""
+    if old is None:
+        return True
+    if kind == "Node":
+        from tokenfleet_operator.gang.snapshot import node_from_object  # the placement's own view of a Node
+        return node_from_object(old) != node_from_object(new)
+    if kind == "Pod":
+        return _pod_placement(old) != _pod_placement(new)
+    return True
 
 
 def pvc_claim(service: dict[str, Any]) -> str | None:

@@ -54,6 +54,16 @@ class ReplicaKeys:
     def ensure(self, ctx: Context, body: dict[str, Any], children: Iterable[dict[str, Any]]) -> str:
         """Make sure the service's key Secret exists; returns the key's identity ("" while unknown). Raises
         KubeError when the API server refuses the Secret (the caller shows it)."""
+        children = list(children)
+        key_id = self._ensure(ctx, body, children)
+        with self._lock:
+            checked = self._seen[body["metadata"]["uid"]][1]
+        # An unchanged service skips its resync passes (controller/reads.py) but not this question
+        ctx.recheck(max(0.0, self.check_seconds - (self._clock() - checked)),
+                    lambda: self._ensure(ctx, body, children) == key_id)
+        return key_id
+
+    def _ensure(self, ctx: Context, body: dict[str, Any], children: list[dict[str, Any]]) -> str:
         meta = body["metadata"]
         with self._lock:
             seen = self._seen.get(meta["uid"])

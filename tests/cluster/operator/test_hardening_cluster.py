@@ -233,11 +233,14 @@ def test_the_replica_key_is_made_once_never_read_and_made_anew_when_deleted(clus
                 len(pods) == 2
 
         assert wired(uid)
-        # a pass over the unchanged service writes none of its children again (the new ones included)
+        # a full pass over the unchanged service (an annotation asks for one) writes none of its children again
+        # (the new ones included), and the resyncs after it find nothing new and are skipped
         before = counters(op, "tokenfleet_children_applied_total")
-        passes = counters(op, "tokenfleet_reconcile_total").get('kind="InferenceService",result="ok"', 0)
-        wait_for("two more passes", lambda: counters(op, "tokenfleet_reconcile_total").get(
-            'kind="InferenceService",result="ok"', 0) >= passes + 2, 60, op)
+        passes = counters(op, "tokenfleet_reconcile_total")
+        ok, unchanged = 'kind="InferenceService",result="ok"', 'kind="InferenceService",result="unchanged"'
+        cluster.kubectl("annotate", "tfis", "svc", "-n", namespace, "example.com/touched=1")
+        wait_for("a full pass and two skipped resyncs", lambda: (c := counters(op, "tokenfleet_reconcile_total"))
+                 and c.get(ok, 0) >= passes.get(ok, 0) + 1 and c.get(unchanged, 0) >= passes.get(unchanged, 0) + 2, 60, op)
         assert counters(op, "tokenfleet_children_applied_total") == before
         env = get_json(cluster, "pod", "svc-0-0", "-n", namespace)["spec"]["containers"][0]["env"]
         assert {"name": "TOKENFLEET_API_KEY",

@@ -44,3 +44,31 @@ def test_a_fresh_list_replaces_what_the_cache_held_in_its_scope():
     c.replace("Pod", [pod("kept", 2, slice="s"), pod("new", 3, slice="s")], namespaces=["ns"])
     assert sorted(p["metadata"]["name"] for p in c.by_label("Pod", "ns", "slice", "s")) == ["kept", "new"]
     assert c.get("Pod", "other", "elsewhere") is not None                 # another namespace: not listed, kept
+
+
+def test_the_cache_keeps_what_reconciles_read_without_managed_fields_and_shares_field_names():
+    from tokenfleet_operator.controller.cache import LAST_APPLIED
+
+    def sent(name):      # as one watch event's JSON decodes it: its own copy of every key
+        import json
+        return json.loads(json.dumps({
+            "metadata": {"name": name, "namespace": "ns", "resourceVersion": "1", "labels": {"slice": "s"},
+                         "annotations": {LAST_APPLIED: "{...}", "tokenfleet.dev/gang-decision": '{"placed":true}'},
+                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
+            "spec": {"nodeName": "n1", "containers": [{"name": "engine", "image": "x" * 100}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}))
+
+    c = ObjectCache({"Pod": ("slice",)})
+    original = sent("a")
+    c.store("Pod", original)
+    c.store("Pod", sent("b"))
+    a, b = c.get("Pod", "ns", "a"), c.get("Pod", "ns", "b")
+    assert "managedFields" not in a["metadata"] and LAST_APPLIED not in a["metadata"]["annotations"]
+    assert a["metadata"]["annotations"] == {"tokenfleet.dev/gang-decision": '{"placed":true}'}
+    assert a["spec"] == original["spec"] and a["status"] == original["status"] and a["metadata"]["labels"] == {"slice": "s"}
+    assert "managedFields" in original["metadata"]                         # the caller's object is untouched
+    key_a = next(k for k in a["status"]["conditions"][0] if k == "status")
+    key_b = next(k for k in b["status"]["conditions"][0] if k == "status")
+    assert key_a is key_b                                                  # one copy of each field name
+    assert a["status"]["phase"] is b["status"]["phase"]                    # and of each short value
+    assert [p["metadata"]["name"] for p in c.by_label("Pod", "ns", "slice", "s")] == ["a", "b"]

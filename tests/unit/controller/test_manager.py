@@ -9,6 +9,7 @@ from tokenfleet_operator.kube import KubeError
 from tokenfleet_operator.validation import Problem
 
 SVC = "tokenfleet.dev/inference-service"
+SLICE = "tokenfleet.dev/slice"
 
 
 def isvc(name, rv, **spec):
@@ -75,7 +76,7 @@ def test_a_child_event_queues_its_owner_and_a_standby_queues_nothing():
     m.observe("Slice", "MODIFIED", gang2)
     queued = {m.queue.get(0), m.queue.get(0)}
     assert queued == {("Slice", "ns", "a-0"), ("InferenceService", "ns", "a")}
-    assert GANG_PASS in m.queue._due                                      # the gang pass, after a short settle
+    assert GANG_PASS in m.queue._due                                 # the gang pass, after a short settle
 
 
 def test_a_pvc_event_queues_the_services_that_wait_for_it():
@@ -172,3 +173,108 @@ def test_the_echo_of_a_write_reaches_every_key_but_the_writer_once():
     m.observe("Slice", "ADDED", created)                       # the same event again (a relist): no news
     assert drain(m) == [] and not m.queue._due
     assert calls == [("InferenceService", "a"), ("Slice", "a-0")]
+
+
+def test_a_periodic_gang_pass_runs_only_while_something_waits_or_once_a_minute():
+    from tokenfleet_operator.controller.manager import GANG_FULL_PASS_SECONDS
+    from tokenfleet_operator.gang.decision import ANNOTATION, GangDecision
+    now = [1000.0]
+    passes = []
+    m = Manager(StatusWriter(), {"Slice": lambda ctx, ns, name: None, "InferenceService": lambda ctx, ns, name: None},
+                gang_pass=lambda: passes.append(now[0]) or 5.0, clock=lambda: now[0])
+    m.leading.set()
+    placed = {"metadata": {"name": "s", "namespace": "ns", "resourceVersion": "1",
+                           "annotations": {ANNOTATION: GangDecision(True, "Placed", "ok").to_annotation()}},
+              "spec": {"hosts": 1, "accelerator": {"type": "nvidia-h100-80gb"}}, "status": {"phase": "Ready"}}
+    bound = {"metadata": {"name": "s-0", "namespace": "ns", "resourceVersion": "2", "labels": {SLICE: "s"}},
+             "spec": {"schedulerName": "tokenfleet", "nodeName": "n1"}, "status": {"phase": "Running"}}
+    m.cache.store("Slice", placed)
+    m.cache.store("Pod", bound)
+
+    m.process(GANG_PASS)
+    assert passes == [1000.0]                   # a new leader's first pass
+    now[0] += 5
+    m.process(GANG_PASS)
+    assert passes == [1000.0]                   # periodic, nothing waits: skipped
+    m.observe("Pod", "MODIFIED", {**bound, "metadata": {**bound["metadata"], "resourceVersion": "3"},
+                                  "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+    now[0] += 5
+    m.process(GANG_PASS)
+    assert passes == [1000.0]                   # a pod became ready: no capacity moved
+    m.observe("Pod", "ADDED", {"metadata": {"name": "t-0", "namespace": "ns", "resourceVersion": "4",
+                                            "labels": {SLICE: "t"}}, "spec": {"schedulerName": "tokenfleet"}})
+    now[0] += 5
+    m.process(GANG_PASS)
+    assert passes == [1000.0, 1015.0]           # news: a new member to bind
+    now[0] += 5
+    m.process(GANG_PASS)
+    assert passes == [1000.0, 1015.0, 1020.0]   # and while it stays unbound, every periodic pass runs
+    m.observe("Pod", "DELETED", {"metadata": {"name": "t-0", "namespace": "ns", "resourceVersion": "5",
+                                            "labels": {SLICE: "t"}}, "spec": {"schedulerName": "tokenfleet"}})
+    m.process(GANG_PASS)                        # the deletion is news
+    now[0] += 5
+    m.process(GANG_PASS)
+    assert len(passes) == 4                     # then quiet again
+    now[0] += GANG_FULL_PASS_SECONDS
+    m.process(GANG_PASS)
+    assert len(passes) == 5                     # but never more than a minute without a full pass
+
+
+def test_a_resync_of_a_key_whose_reads_are_unchanged_is_skipped_until_something_changes():
+    calls, still = [], [True]
+
+    def reconcile(ctx, ns, name):
+        calls.append(name)
+        ctx.cache.get("InferenceService", ns, name)
+        ctx.cache.get("Node", None, "n1")                 # read, though its changes queue no service
+        ctx.recheck(0.0, lambda: still[0])                # a question asked on a clock, due at once
+        return None
+
+    m = manager({"InferenceService": reconcile})
+    key = ("InferenceService", "ns", "a")
+    m.observe("InferenceService", "ADDED", isvc("a", 1))
+    drain(m)
+    assert calls == ["a"]
+    m.process(key)                                        # as a resync queues it: nothing changed
+    assert calls == ["a"]
+    m.cache.store("Node", {"metadata": {"name": "n1", "resourceVersion": "7"}})
+    m.process(key)                                        # something it read changed, without an event for it
+    assert calls == ["a", "a"]
+    m.process(key)
+    assert calls == ["a", "a"]
+    still[0] = False
+    m.process(key)                                        # the clocked question's answer changed
+    assert calls == ["a", "a", "a"]
+    still[0] = True
+    m.process(key)
+    assert calls == ["a", "a", "a"]
+    m.observe("InferenceService", "MODIFIED", isvc("a", 2))   # an event asks for it: always a full pass
+    drain(m)
+    assert calls == ["a", "a", "a", "a"]
+
+
+def test_a_pass_that_asked_for_a_timed_follow_up_or_failed_is_never_skipped():
+    calls = []
+    outcome = [15.0]
+
+    def reconcile(ctx, ns, name):
+        calls.append(name)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    m = manager({"InferenceService": reconcile})
+    key = ("InferenceService", "ns", "a")
+    m.observe("InferenceService", "ADDED", isvc("a", 1))
+    drain(m)
+    m.process(key)
+    assert calls == ["a", "a"]                            # a timed follow-up: time is an input
+    outcome[0] = RetryLater("later", 1.0)
+    m.process(key)
+    m.process(key)
+    assert calls == ["a", "a", "a", "a"]
+    outcome[0] = None
+    m.process(key)
+    m.process(key)
+    assert calls == ["a", "a", "a", "a", "a"]             # settled: the next one is skipped
+

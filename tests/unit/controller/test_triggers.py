@@ -20,3 +20,33 @@ def test_owner_and_gang_pass_follow_from_labels_and_accelerators():
     assert triggers("ConfigMap", obj("x")) == []
     assert triggers("Node", obj("n", ns=None)) == [GANG_PASS]
     assert triggers("SliceQueue", obj("q", ns=None)) == [GANG_PASS]
+
+
+def node(allocatable="8", ready="True", heartbeat="2026-01-01T00:00:00Z", unschedulable=False, labels=None):
+    return {"metadata": {"name": "n1", "labels": labels or {"zone": "a"}},
+            "spec": {"unschedulable": unschedulable},
+            "status": {"allocatable": {"nvidia.com/gpu": allocatable},
+                       "conditions": [{"type": "Ready", "status": ready, "lastHeartbeatTime": heartbeat}]}}
+
+
+def member(node_name=None, phase="Pending", ready="False", deleting=False):
+    meta = {"name": "s-0-0", "namespace": "ns", "labels": {SLICE: "s-0"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"schedulerName": "tokenfleet", **({"nodeName": node_name} if node_name else {})},
+            "status": {"phase": phase, "conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def test_only_updates_that_move_capacity_or_binding_ask_for_the_gang_pass():
+    from tokenfleet_operator.controller.triggers import changes_placement
+    assert changes_placement("Node", None, node())                                  # first sight
+    assert not changes_placement("Node", node(), node(heartbeat="2026-01-01T00:05:00Z"))   # a heartbeat
+    assert changes_placement("Node", node(), node(allocatable="4"))
+    assert changes_placement("Node", node(), node(ready="False"))
+    assert changes_placement("Node", node(), node(unschedulable=True))
+    assert changes_placement("Node", node(), node(labels={"zone": "b"}))
+    assert changes_placement("Pod", member(), member(node_name="n1"))               # bound
+    assert not changes_placement("Pod", member("n1", "Running", "False"), member("n1", "Running", "True"))  # ready
+    assert changes_placement("Pod", member("n1", "Running"), member("n1", "Failed"))        # frees its node
+    assert changes_placement("Pod", member("n1", "Running"), member("n1", "Running", deleting=True))
+    assert changes_placement("Slice", {"metadata": {}}, {"metadata": {}})                  # other kinds: always

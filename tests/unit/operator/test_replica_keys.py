@@ -30,7 +30,9 @@ class SecretStore:
         return self.secrets[name]
 
     def context(self):
-        return SimpleNamespace(kube=self, event=lambda obj, type_, reason, message: self.events.append((type_, reason)))
+        self.rechecks: list = []
+        return SimpleNamespace(kube=self, event=lambda obj, type_, reason, message: self.events.append((type_, reason)),
+                               recheck=lambda seconds, still: self.rechecks.append((seconds, still)))
 
 
 def test_made_once_then_checked_once_per_period_and_made_anew_when_gone():
@@ -65,3 +67,25 @@ def test_after_a_restart_the_identity_comes_from_the_children():
 def test_keys_are_long_and_random():
     a, b = new_key(), new_key()
     assert a != b and len(a) >= 43
+
+
+def test_a_pass_leaves_the_question_for_a_skipped_resync_to_ask_when_it_is_due():
+    """A resync of an unchanged service is skipped (controller/reads.py), but the key's existence is still
+    asked every period: the pass hands over when it is due and how to ask it."""
+    store, now = SecretStore(), [0.0]
+    keys = ReplicaKeys(check_seconds=300, clock=lambda: now[0])
+    body = isvc_body()
+    ctx = store.context()
+    keys.ensure(ctx, body, [])
+    now[0] = 100
+    keys.ensure(ctx, body, [])
+    (seconds, still), = store.rechecks[-1:]
+    assert seconds == 200                               # due when the period since the last question ends
+    now[0] = 301
+    assert still() and store.creates == 2               # asked (409): unchanged
+    del store.secrets["llama-replica-key"]
+    now[0] = 400
+    assert still() and store.creates == 2               # not due again yet: no request
+    now[0] = 602
+    assert not still() and store.creates == 3           # gone: made anew, so the service's pass must run
+    assert store.events[-1] == ("Warning", "ReplicaKeyRecreated")
