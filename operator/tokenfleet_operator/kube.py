@@ -11,7 +11,6 @@ import datetime as dt
 import json
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,10 +117,7 @@ def load_api_client() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    conf = client.Configuration.get_default_copy()
-    # the workers, the collector and the gang pass's parallel writes share one pool of connections
-    conf.connection_pool_maxsize = 32
-    return client.ApiClient(conf)
+    return client.ApiClient()
 
 
 class Kube:
@@ -211,29 +207,16 @@ class Kube:
         return items
 
     def list_cluster(self, api_version: str, kind: str, *, label_selector: str | None = None,
-                     field_selector: str | None = None, page_size: int | None = None,
-                     keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """List a namespaced kind across all namespaces (or a cluster-scoped kind).
-
-        ``page_size``: fetch in pages of that many (one consistent snapshot: the API server serves every page
-        at the first page's resourceVersion); ``keep``: what to keep of each item, applied page by page, so
-        a list of thousands of pods never sits in memory whole."""
+                     field_selector: str | None = None) -> list[dict[str, Any]]:
+        """List a namespaced kind across all namespaces (or a cluster-scoped kind)."""
         plural, _ = _PLURALS[kind]
         base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
-        if page_size:
-            query.append(("limit", str(page_size)))
-        items: list[dict[str, Any]] = []
-        token = None
-        while True:
-            out = self._call("GET", f"{base}/{plural}", query=query + ([("continue", token)] if token else []))
-            for item in out.get("items", []):
-                item.setdefault("apiVersion", api_version)
-                item.setdefault("kind", kind)
-                items.append(keep(item) if keep else item)
-            token = (out.get("metadata") or {}).get("continue")
-            if not page_size or not token:
-                return items
+        items = self._call("GET", f"{base}/{plural}", query=query).get("items", [])
+        for item in items:
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
 
     def bind(self, namespace: str, pod: str, node: str, *, uid: str | None = None) -> None:
         """Bind a pod to a node through the Binding API (pods/binding).

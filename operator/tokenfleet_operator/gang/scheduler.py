@@ -9,8 +9,7 @@ runs one pass at a time, and only the leader replica works the queue, so only on
    of the previous pass are always visible, so no "assumed" state is kept between passes);
 2. computes the plan with the pure ``plan.plan_pass``;
 3. rolls back partially bound Slices, evicts preemption victims, and binds each placed Slice member by
-   member through the Binding API (different Slices in parallel, ``WRITE_CONCURRENCY`` at once; the pass
-   waits for every one). If any bind fails, every member of that Slice is deleted in the same pass
+   member through the Binding API. If any bind fails, every member of that Slice is deleted in the same pass
    (they are made again, unbound, by the Slice controller) and it is retried in the next pass. So a Slice is
    never left partly bound past one pass, and two Slices never take the same capacity;
 4. writes each Slice's decision (placed, or why it waits) to the Slice as an annotation
@@ -21,23 +20,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.gang.decision import ANNOTATION, GangDecision
 from tokenfleet_operator.gang.plan import Bind, PassPlan, PodRef, plan_pass
-from tokenfleet_operator.gang.snapshot import placement_view
 from tokenfleet_operator.kube import Kube, KubeError
 
 log = logging.getLogger("tokenfleet.gang")
 
 DECISION_MANAGER = "tokenfleet-gang-scheduler"
-# The pass's writes (each Slice's binds, then each changed decision) go out this many at once; the pass waits
-# for all of them. A Slice's own members are bound one after another, so its all-or-nothing rollback holds.
-WRITE_CONCURRENCY = 8
-LIST_PAGE = 500          # pods are listed in pages and kept as the placement reads them (snapshot.placement_view)
 
 
 def _slice_ref(namespace: str, name: str) -> dict[str, Any]:
@@ -56,12 +49,10 @@ class GangScheduler:
         self._waiting_keys: set[tuple[str, str]] = set()   # (queue, reason) pairs exported so far
         self._queues_seen: set[str] = set()
         self._timeout_queues: set[str] = set()
-        self._writers = ThreadPoolExecutor(WRITE_CONCURRENCY, thread_name_prefix="tokenfleet-gang-write")
 
     def _snapshot(self) -> tuple[list, list, list, list]:
         nodes = self.kube.list_cluster("v1", "Node")
-        pods = self.kube.list_cluster("v1", "Pod", field_selector="status.phase!=Succeeded,status.phase!=Failed",
-                                      page_size=LIST_PAGE, keep=placement_view)
+        pods = self.kube.list_cluster("v1", "Pod", field_selector="status.phase!=Succeeded,status.phase!=Failed")
         if self.namespaces:
             slices = [s for ns in self.namespaces for s in self.kube.list(API_VERSION, "Slice", ns)]
         else:
@@ -97,8 +88,8 @@ class GangScheduler:
             self._delete_members(eviction.namespace, eviction.pods)
             new[eviction.victim] = GangDecision(False, "Preempted", f"evicted for higher-priority Slice {eviction.preemptor}",
                                                 preempted_by=eviction.preemptor)
-        for bind, decision in zip(plan.binds, self._writers.map(self._bind, plan.binds)):
-            new[bind.slice_key] = decision
+        for bind in plan.binds:
+            new[bind.slice_key] = self._bind(bind)
         bound = time.perf_counter()
         for key, wait in plan.waiting.items():
             decision = GangDecision(False, wait.code, wait.message, wait.requeues, wait.requeue_at)
@@ -109,8 +100,9 @@ class GangScheduler:
             new.setdefault(key, decision)
         # A victim keeps its eviction decision (and its preemptor) until it queues again: then it is
         # pending, and the pass's waiting or bind decision replaces it.
-        changed = [(by_key[key], decision) for key, decision in new.items() if key in by_key and decision != old.get(key)]
-        list(self._writers.map(lambda change: self._write_decision(*change), changed))
+        for key, decision in new.items():
+            if key in by_key and decision != old.get(key):
+                self._write_decision(by_key[key], decision)
         self._write_queue_status(plan, queues)
         for queue, count in plan.pending_by_queue.items():
             metrics.SLICES_PENDING.labels(queue=queue).set(count)

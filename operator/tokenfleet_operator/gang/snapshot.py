@@ -113,26 +113,6 @@ def member_accelerators(spec: SliceSpec) -> int:
     return pod_spec_requests(pod_spec).get(spec.accelerator.resource_name, 0)
 
 
-_POD_META = ("name", "namespace", "uid", "labels", "ownerReferences", "deletionTimestamp", "creationTimestamp",
-             "resourceVersion")
-_POD_SPEC = ("nodeName", "schedulerName", "tolerations", "nodeSelector", "priority")
-
-
-def placement_view(pod: dict[str, Any]) -> dict[str, Any]:
-    """What the gang pass reads of a pod (metadata for ownership and labels, where it runs, what it holds,
-    its phase): a tenth of the object it was listed as, so a pass over thousands of pods stays small."""
-    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-
-    def containers(key: str) -> list[dict[str, Any]]:
-        return [{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}
-                for c in spec.get(key) or [] if isinstance(c, dict)]
-    return {"apiVersion": pod.get("apiVersion", "v1"), "kind": pod.get("kind", "Pod"),
-            "metadata": {k: meta[k] for k in _POD_META if k in meta},
-            "spec": {**{k: spec[k] for k in _POD_SPEC if k in spec},
-                     "containers": containers("containers"), "initContainers": containers("initContainers")},
-            "status": {"phase": (pod.get("status") or {}).get("phase")}}
-
-
 def holds_capacity(pod: dict[str, Any]) -> bool:
     """A pod bound to a node and not finished holds its requests there, terminating or not."""
     return bool((pod.get("spec") or {}).get("nodeName")) and (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
