@@ -35,7 +35,7 @@ definitions in ``observe.py``):
 | ``tokenfleet_router_slo_output_tokens_total{result}`` | counter | their output tokens |
 | ``tokenfleet_router_output_tokens_total`` | counter | output tokens delivered to clients |
 | ``tokenfleet_router_pending_requests`` | gauge | requests held because no replica is ready (scale from zero) |
-| ``tokenfleet_router_cold_start_seconds`` | histogram | arrival to first token of requests that waited for a replica: none was ready when they arrived, or none could take them (their replica had just died) |
+| ``tokenfleet_router_cold_start_seconds`` | histogram | arrival to first token of requests that waited for a replica |
 | ``tokenfleet_router_seconds_since_last_request`` | gauge | idle time (scale to zero) |
 | ``tokenfleet_router_backend_draining{backend}`` | gauge | 1 while a backend gets no new requests (scale-down) |
 """
