@@ -30,17 +30,32 @@ def _terminated(container_status: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def container_failure(pod_status: dict[str, Any]) -> str:
-    """"container NAME exited with code N (REASON): LAST LINE" for the first container that failed (else the
-    first that exited), or "" when none has."""
+def _first_exit(pod_status: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(container status, its terminated state) of the first container that failed, else the first that exited."""
     exited = []
     for cs in [*(pod_status.get("initContainerStatuses") or []), *(pod_status.get("containerStatuses") or [])]:
         term = _terminated(cs)
         if term is not None:
             exited.append((cs, term))
     if not exited:
+        return None
+    return next(((c, t) for c, t in exited if t.get("exitCode")), exited[0])
+
+
+def exit_code(pod_status: dict[str, Any]) -> int | None:
+    """The exit code of the first container that failed (0 when every exited one succeeded), None if none exited."""
+    first = _first_exit(pod_status)
+    code = first[1].get("exitCode") if first else None
+    return code if isinstance(code, int) else None
+
+
+def container_failure(pod_status: dict[str, Any]) -> str:
+    """"container NAME exited with code N (REASON): LAST LINE" for the first container that failed (else the
+    first that exited), or "" when none has."""
+    first = _first_exit(pod_status)
+    if first is None:
         return ""
-    cs, term = next(((c, t) for c, t in exited if t.get("exitCode")), exited[0])
+    cs, term = first
     text = f"container {cs.get('name')} exited with code {term.get('exitCode')} ({term.get('reason', '')})"
     words = last_words(term.get("message"))
     return f"{text}: {words}" if words else text

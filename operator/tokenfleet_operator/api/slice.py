@@ -23,6 +23,7 @@ from tokenfleet_operator.api.common import (
     with_rules,
 )
 from tokenfleet_operator.api.pod_template import member_pod_spec_schema
+from tokenfleet_serving.contract.termination import CONFIGURATION_EXIT_CODE
 
 SlicePhase = Literal["Pending", "Admitted", "Placing", "Ready", "Degraded", "Restarting", "Failed", "Succeeded"]
 SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined]
@@ -123,6 +124,20 @@ class RestartPolicy(ApiModel):
         le=3600,
     )
     max_backoff_seconds: int = Field(default=300, description="Upper bound of the restart delay.", ge=1, le=86400)
+    fail_on_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] | None = Field(
+        default=None,
+        max_length=16,
+        description="Exit codes that mean a member's configuration is wrong, so that restarting cannot help: a "
+                    "member container that exits with one fails the slice at once (reason ConfigurationError, "
+                    "with the container's last words), spending no restart, until the spec changes. Unset means "
+                    "[2], the exit code of tokenfleet serve, route and batch for bad flags, files or input; [] "
+                    "restarts the gang on every failure.",
+    )
+
+    @property
+    def permanent_exit_codes(self) -> list[int]:
+        """failOnExitCodes, or its default when unset."""
+        return [CONFIGURATION_EXIT_CODE] if self.fail_on_exit_codes is None else self.fail_on_exit_codes
 
 
 class SliceSpec(ApiModel):

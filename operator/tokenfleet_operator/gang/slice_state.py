@@ -38,7 +38,7 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api.slice import SliceSpec, SliceStatus
 from tokenfleet_operator.builders.slice_pods import member_pod
 from tokenfleet_operator.naming import ATTEMPT_LABEL, MEMBER_LABEL, REVISION_LABEL, revision_of
-from tokenfleet_operator.pod_failure import container_failure
+from tokenfleet_operator.pod_failure import container_failure, exit_code
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_operator.validation import check_slice
 
@@ -57,6 +57,7 @@ class Phase(StrEnum):
 class Reason(StrEnum):
     # conditions
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+    CONFIGURATION_ERROR = "ConfigurationError"      # a member exited with one of restartPolicy.failOnExitCodes
     WITHIN_RESTART_BUDGET = "WithinRestartBudget"
     COMPLETED = "Completed"
     PREEMPTED = "Preempted"
@@ -119,6 +120,7 @@ class PodView:
     restarts: int = 0
     unschedulable: str | None = None  # the scheduler's message, if it could not place the pod
     failure: str = ""  # why the pod failed, for messages
+    exit_code: int | None = None  # of the container that failed (or exited), when one has
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
@@ -149,6 +151,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         restarts=restarts,
         unschedulable=unschedulable,
         failure=failure,
+        exit_code=exit_code(status),
     )
 
 
@@ -332,11 +335,16 @@ def failed_invalid_spec(o: Observation) -> Decision | None:
                 events=(Event("Warning", p.reason, str(p)),) if first else ())
 
 
+# Failed reasons that hold until the spec changes (a reason failed_invalid_spec gives is looked at afresh each time).
+STAY_FAILED = (Reason.RESTART_BUDGET_EXHAUSTED, Reason.CONFIGURATION_ERROR)
+
+
 def failed_until_spec_changes(o: Observation) -> Decision | None:
-    """The budget is spent: stay Failed, with no pods, until the spec changes. (A Slice that failed a check
+    """The budget is spent, or a member said its configuration is wrong: stay Failed, with no pods, until the
+    spec changes. (A Slice that failed a check
     ``failed_invalid_spec`` no longer makes, e.g. a host path an administrator has allowed since, goes on.)"""
     failed = cond.find(o.old.get("conditions"), "Failed") or {}
-    if o.phase != Phase.FAILED or failed.get("reason", Reason.RESTART_BUDGET_EXHAUSTED) != Reason.RESTART_BUDGET_EXHAUSTED:
+    if o.phase != Phase.FAILED or failed.get("reason", Reason.RESTART_BUDGET_EXHAUSTED) not in STAY_FAILED:
         return None
     return _all(Phase.FAILED, failed.get("reason", Reason.RESTART_BUDGET_EXHAUSTED),
                 failed.get("message", "restart budget exhausted"), teardown=True)
@@ -369,6 +377,8 @@ def _failure(o: Observation) -> tuple[str, int | None, str] | None:
     """(reason, member, message) of the first member failure of the current attempt, if any. A batch member
     that exits successfully has done its part; a serving member must not exit."""
     for pod in sorted(o.current, key=lambda p: p.member or 0):
+        if pod.phase == "Failed" and pod.exit_code in o.spec.restart_policy.permanent_exit_codes:
+            return Reason.CONFIGURATION_ERROR, pod.member or 0, f"pod {pod.name} failed: {pod.failure}"
         if pod.phase == "Failed":
             return Reason.MEMBER_FAILED, pod.member or 0, f"pod {pod.name} failed: {pod.failure or 'no reason given'}"
         if pod.phase == "Succeeded" and not o.batch:
@@ -398,6 +408,10 @@ def restarting_after_failure(o: Observation) -> Decision | None:
     if failure is None:
         return None
     reason, member, message = failure
+    if reason == Reason.CONFIGURATION_ERROR:
+        text = f"{message}; a configuration error, so no restart: the slice stays down until its spec changes"
+        return _all(Phase.FAILED, Reason.CONFIGURATION_ERROR, text, teardown=True,
+                    events=(Event("Warning", Reason.CONFIGURATION_ERROR, text),))
     if o.restarts >= o.max_restarts:
         text = f"{message}; restart budget of {o.max_restarts} spent, the slice stays down until its spec changes"
         return _all(Phase.FAILED, Reason.RESTART_BUDGET_EXHAUSTED, text, teardown=True,

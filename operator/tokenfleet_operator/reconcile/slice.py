@@ -20,7 +20,7 @@ from tokenfleet_operator.controller.collector import leader_pod
 from tokenfleet_operator.controller.errors import InvalidSpec
 from tokenfleet_operator.controller.manager import Context
 from tokenfleet_operator.gang.decision import admission_for, is_gang
-from tokenfleet_operator.gang.slice_state import Admission, Phase, Reason, plan_slice, pod_view
+from tokenfleet_operator.gang.slice_state import STAY_FAILED, Admission, Phase, plan_slice, pod_view
 from tokenfleet_operator.kube import KubeError
 from tokenfleet_operator.naming import SLICE_LABEL
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
@@ -118,6 +118,6 @@ def reconcile_slice(ctx: Context, namespace: str, name: str, *, now: dt.datetime
             log.warning("Slice %s/%s: checkpoint savedAt %r is not RFC 3339", namespace, name, saved)
     if plan.status.get("phase") == Phase.FAILED:
         failed = next((c for c in plan.status["conditions"] if c["type"] == "Failed"), None)
-        if failed and failed["reason"] != Reason.RESTART_BUDGET_EXHAUSTED:
+        if failed and failed["reason"] not in STAY_FAILED:
             raise InvalidSpec(Problem(failed["reason"], "spec", failed["message"]))
     return plan.requeue_after

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         check_items(items, args.max_tokens)
     except (JobError, OSError) as e:
         log.error("%s", e)
-        return 2
+        return termination.CONFIGURATION_EXIT_CODE
     resume = {"always": True, "never": False}.get(args.resume, bool(os.environ.get(PodEnv.RESTORE_FROM)))
 
     from prometheus_client import Histogram
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                         kv_cache_bytes=args.kv_cache_mb * 2**20, num_threads=args.num_threads))
     except Exception as e:   # a model that does not load: the message names the file or field
         log.error("model %s: %s", args.model, e)
-        return 2
+        return termination.CONFIGURATION_EXIT_CODE
     compute = EngineCompute(engine, args.max_tokens, progress)
     started = time.monotonic()
     try:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                           on_commit=commit_seconds.observe)
     except JobError as e:
         log.error("%s", e)
-        return 2
+        return termination.CONFIGURATION_EXIT_CODE
     except TimeoutError as e:
         log.error("%s", e)
         return 3

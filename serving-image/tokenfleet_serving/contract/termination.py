@@ -23,6 +23,9 @@ import sys
 from typing import Any, NoReturn
 
 DEFAULT_PATH = "/dev/termination-log"
+# The exit code of a configuration the process cannot take (bad flags, files or input): restarting cannot help,
+# so the operator fails the Slice at once (its restartPolicy.failOnExitCodes defaults to this code).
+CONFIGURATION_EXIT_CODE = 2
 ENV = "TOKENFLEET_TERMINATION_LOG"
 MAX_BYTES = 4096
 
@@ -58,7 +61,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         text = f"{self.prog}: error: {message}"
         write_termination_message(text)
-        self.exit(2, text + "\n")
+        self.exit(CONFIGURATION_EXIT_CODE, text + "\n")
 
 
 def write_checkpoint(checkpoint: str, saved_at: str) -> bool:

@@ -124,8 +124,13 @@ class LlamaModel:
             return Linear(weight.to(device=device, dtype=dtype).contiguous(), bias, pack, self.kernels)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None, pack,
-                              self.kernels)
+        self.lm_head: Linear | Int8Linear
+        if quantization == "int8":        # read whole every step: a third of int8 decoding's bytes if kept wide
+            head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+            self.lm_head = Int8Linear(head, None, self.kernels, dtype, device, "lm_head.weight")
+        else:
+            self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"), None, pack,
+                                  self.kernels)
         self.norm = w("model.norm.weight")
         self.layers: list[dict[str, Any]] = []
         for n in range(config.num_layers):
@@ -164,8 +169,8 @@ class LlamaModel:
             return size(lin.weight) + size(lin.packed) + size(lin.panels) + size(lin.bias)
 
         tied = self.config.tie_word_embeddings      # the lm_head then reads the embedding (packed copy aside)
-        total = size(self.embed) + size(self.norm) + linear(self.lm_head) - (size(self.embed) if tied and
-                                                                             self.lm_head.weight is self.embed else 0)
+        shares_embed = tied and getattr(self.lm_head, "weight", None) is self.embed
+        total = size(self.embed) + size(self.norm) + linear(self.lm_head) - (size(self.embed) if shares_embed else 0)
         for layer in self.layers:
             total += size(layer["ln1"]) + size(layer["ln2"])
             total += sum(linear(layer[n]) for n in ("qkv", "o", "gate_up", "down"))

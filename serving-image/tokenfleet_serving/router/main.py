@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tokenfleet_serving.contract.termination import ArgumentParser, write_termination_message
+from tokenfleet_serving.contract.termination import CONFIGURATION_EXIT_CODE, ArgumentParser, write_termination_message
 
 log = logging.getLogger("tokenfleet.router")
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, KeyFileError) as exc:
         print(f"tokenfleet route: {exc}", file=sys.stderr)
         write_termination_message(f"tokenfleet route: {exc}")
-        return 2
+        return CONFIGURATION_EXIT_CODE
     if client_keys is None:
         log.warning("no client keys (--client-keys or $TOKENFLEET_CLIENT_KEYS): every client is let in")
     else:

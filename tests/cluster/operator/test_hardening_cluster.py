@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -273,7 +274,7 @@ def test_the_replica_key_is_made_once_never_read_and_made_anew_when_deleted(clus
 
 # ---------------------------------------------------------------- defect 9
 
-def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_path):
+def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_path, pod_model):
     install(cluster)
     op = Operator(cluster, namespace, tmp_path / "operator.log").start()
     try:
@@ -296,5 +297,27 @@ def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_
                                                         condition(o, "Ready").get("message", "") else None)(
             isvc_obj(cluster, namespace, "gone")), 60, op)
         assert condition(svc, "Ready")["reason"] == "SliceFailed"
+
+        # a draft model the server cannot take: it exits 2 (a configuration error) and, with restarts to spare
+        # (maxRestarts 3 by default), the Slice fails at once and is not restarted: no crash loop
+        bad_draft = serving_isvc("draft", pod_model)
+        bad_draft["spec"]["engine"]["speculativeDecoding"] = {"method": "draft",
+                                                              "draftModel": {"path": "/nonexistent/draft-model"}}
+        apply(cluster, bad_draft, namespace)
+        stalled = wait_for("the Slice Failed", lambda: (lambda s: s if (s or {}).get("status", {}).get("phase") == "Failed"
+                                                        else None)(get_json(cluster, "slice", "draft-0", "-n", namespace)),
+                           240, op)
+        failed = condition(stalled, "Failed")
+        assert failed["reason"] == "ConfigurationError", failed
+        assert "exited with code 2" in failed["message"] and "/nonexistent/draft-model" in failed["message"]
+        assert stalled["status"]["restarts"] == 0 and not stalled["status"].get("lastRestart")
+        svc = wait_for("the service shows it", lambda: (lambda o: o if "ConfigurationError" in
+                                                        condition(o, "Ready").get("message", "") else None)(
+            isvc_obj(cluster, namespace, "draft")), 60, op)
+        assert "/nonexistent/draft-model" in condition(svc, "Stalled")["message"]
+        time.sleep(5)                                    # and it stays down: no new attempt is made
+        again = get_json(cluster, "slice", "draft-0", "-n", namespace)
+        assert again["status"]["phase"] == "Failed" and again["status"]["restarts"] == 0
+        assert names(cluster, "pods", namespace, "tokenfleet.dev/slice=draft-0") == []
     finally:
         op.stop()

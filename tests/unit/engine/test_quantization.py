@@ -19,7 +19,7 @@ from tokenfleet_serving.engine.model import LlamaModel
 from tokenfleet_serving.engine.quantization import Int8Linear, QuantizationError, parse_quantization, quantize_int8
 
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-             "up_proj.weight", "down_proj.weight")
+             "up_proj.weight", "down_proj.weight", "lm_head.weight")
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,7 @@ def test_int8_model_is_the_fp32_model_over_the_dequantized_weights(name, kernels
     int8 = LlamaModel(ckpt.config, ckpt.weights, torch.float32, cpu, 128, use_kernels=kernels, quantization="int8")
     plain = LlamaModel(ckpt.config, dequantized_weights(ckpt.weights), torch.float32, cpu, 128, use_kernels=kernels)
     assert all(isinstance(layer[n], Int8Linear) for layer in int8.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(int8.lm_head, Int8Linear) and not ckpt.config.tie_word_embeddings
     got, want = step_logits(int8), step_logits(plain)
     assert (got - want).abs().max() < 1e-4
     assert linear_bytes(int8) < 0.3 * linear_bytes(plain)                        # a byte per weight plus the scales

@@ -153,6 +153,50 @@ def test_restart_budget_exhausted_fails_the_slice_and_keeps_it_down():
     assert again.create == [] and again.status["phase"] == "Failed"
 
 
+def config_error_pod(i, rev, code, attempt=0):
+    """A member whose serving container exited ``code`` with tokenfleet serve's one-line reason."""
+    status = {"phase": "Failed", "containerStatuses": [{"name": "serving", "restartCount": 0, "state": {"terminated": {
+        "exitCode": code, "reason": "Error",
+        "message": "tokenfleet serve: error: --draft-model: tokenizer.json differs from the model's"}}}]}
+    pod = {"metadata": {"name": f"llama-0-{i}", "labels": {"tokenfleet.dev/member": str(i),
+                                                          "tokenfleet.dev/attempt": str(attempt),
+                                                          "tokenfleet.dev/revision": rev}},
+           "spec": {"nodeName": f"node-{i}"}, "status": status}
+    return pod_view(pod)
+
+
+def test_a_member_that_exits_with_a_configuration_error_fails_the_slice_without_a_restart():
+    body, spec, rev = setup()
+    assert spec.restart_policy.fail_on_exit_codes is None and spec.restart_policy.permanent_exit_codes == [2]
+    pods = [member(0, rev), config_error_pod(1, rev, 2)]
+    assert pods[1].exit_code == 2
+    plan = plan_slice({**body, "status": {"phase": "Ready", "revision": rev}}, spec, pods, now=T0)
+    assert plan.status["phase"] == "Failed" and plan.status["restarts"] == 0 and not plan.counts_restart
+    assert sorted(plan.delete) == ["llama-0-0", "llama-0-1"] and plan.create == []
+    failed = cond_of(plan.status, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "ConfigurationError"
+    assert "exited with code 2" in failed["message"] and "--draft-model: tokenizer.json differs" in failed["message"]
+    assert cond_of(plan.status, "Stalled")["status"] == "True"
+    assert [e.reason for e in plan.events] == ["ConfigurationError"]
+    # it stays down (no new attempt, no event again) until the spec changes
+    again = plan_slice(with_status(body, plan), spec, [], now=T0 + dt.timedelta(hours=1))
+    assert again.create == [] and again.status["phase"] == "Failed" and again.events == []
+    assert cond_of(again.status, "Failed")["reason"] == "ConfigurationError"
+    changed_body, changed_spec, _ = setup(restartPolicy={"maxRestarts": 3})
+    fresh = plan_slice({**changed_body, "status": again.status}, changed_spec, [], now=T0 + dt.timedelta(hours=2))
+    assert fresh.status["phase"] == "Placing" and len(fresh.create) == 2
+
+
+@pytest.mark.parametrize("code, policy", [(1, None), (2, [])])
+def test_other_exit_codes_and_an_empty_fail_on_exit_codes_restart_the_gang(code, policy):
+    restart = {"backoffSeconds": 0, "maxBackoffSeconds": 1} | ({"failOnExitCodes": policy} if policy is not None else {})
+    body, spec, rev = setup(restartPolicy=restart)
+    pods = [member(0, rev), config_error_pod(1, rev, code)]
+    plan = plan_slice({**body, "status": {"phase": "Ready", "revision": rev}}, spec, pods, now=T0)
+    assert plan.status["phase"] == "Restarting" and plan.counts_restart and plan.status["restarts"] == 1
+    assert plan.status["lastRestart"]["reason"] == "MemberFailed"
+
+
 def test_spec_change_recreates_the_gang_with_a_fresh_budget():
     body, spec, rev = setup()
     old_status = {"phase": "Failed", "restarts": 2, "revision": "old-rev",
@@ -291,7 +335,8 @@ def test_pod_view_reads_a_real_pod_object():
     }
     view = pod_view(pod)
     assert view == PodView(name="s-1", member=1, attempt=3, revision="r", phase="Running", ready=True, node="n1",
-                           deleting=True, restarts=2, unschedulable=None, failure="container a exited with code 137 (OOMKilled)")
+                           deleting=True, restarts=2, unschedulable=None, failure="container a exited with code 137 (OOMKilled)",
+                           exit_code=137)
     bare = pod_view({"metadata": {"name": "x", "labels": {"tokenfleet.dev/member": "zero"}}, "spec": {}})
     assert bare.member is None and bare.phase == "Pending" and not bare.ready
 
