@@ -169,28 +169,36 @@ def prompts(task: CopyTask, count: int, seed: int) -> list[list[int]]:
 # ---- the copying model built by hand ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class CircuitShape:
-    """A two-layer Llama whose weights are set to an induction circuit (``build``)."""
+    """A Llama whose first two layers' weights are set to an induction circuit (``build``), followed by
+    ``filler_layers`` layers of random weights that compute like any layer but write only residual dimensions
+    the circuit leaves alone, so the model costs what a model of its size costs and still copies."""
     hidden_size: int = 256
     head_dim: int = 128
     code_dim: int = 64            # dimensions of the random code that identifies a token
     seed: int = 0
+    filler_layers: int = 0
+    intermediate_size: int = 16
 
 
-CIRCUIT_TARGET = CircuitShape()
+# The target has the reference model's size (8 layers, hidden 512, MLP 1,376: 25 M linear weights), so that a
+# decoding step costs what it costs there: speculation pays by saving steps whose weights must be read, which
+# a model of a few hundred thousand weights never shows. The draft is the bare two-layer circuit, ~100x cheaper.
+CIRCUIT_TARGET = CircuitShape(hidden_size=512, filler_layers=6, intermediate_size=1376)
 CIRCUIT_DRAFT = CircuitShape(hidden_size=128, head_dim=64, code_dim=32, seed=1)
 PREVIOUS_TOKEN_PAIRS = 8          # the fastest-turning rotary pairs: they single out the previous position
 ROPE_THETA = 1e7                  # slow pairs barely turn over a thousand positions: they match content
 
 
 def build(directory: str | Path, shape: CircuitShape = CIRCUIT_TARGET, vocab_size: int = 512) -> dict:
-    """Write a Llama checkpoint whose two layers copy from the context, by construction (an induction circuit,
+    """Write a Llama checkpoint whose first two layers copy from the context, by construction (an induction circuit,
     as trained transformers form): every token has a random unit code; layer 1's first head attends from
     each position to the one before it (constant queries and keys, through their biases, on the fastest
     rotary frequencies) and writes the previous token's code next to the current one; layer 2's first head
     compares the current token's code with every position's previous-token code (on the slowest rotary
     frequencies, which hardly turn) and copies the code of the token that followed the best match; the
     lm_head reads that code back as logits. It predicts "what came after this token last time", and nothing
-    else: where the current token never occurred before, its guess is arbitrary. Every weight is a plain
+    else: where the current token never occurred before, its guess is arbitrary. The filler layers after them
+    (``CircuitShape``) give the model its size and change no greedy token. Every weight is a plain
     Llama weight (with attention_bias), so the engine and transformers run it as they run any checkpoint."""
     import transformers
 
@@ -203,7 +211,8 @@ def build(directory: str | Path, shape: CircuitShape = CIRCUIT_TARGET, vocab_siz
     codes = (torch.randint(0, 2, (vocab_size, c), generator=gen).float() * 2 - 1) / c ** 0.5   # unit vectors
     tok = build_tokenizer(vocab_size)
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=D, intermediate_size=16, num_hidden_layers=2, num_attention_heads=D // hd,
+        vocab_size=vocab_size, hidden_size=D, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=2 + shape.filler_layers, num_attention_heads=D // hd,
         num_key_value_heads=D // hd, head_dim=hd, max_position_embeddings=1024, rope_theta=ROPE_THETA,
         attention_bias=True, rms_norm_eps=1e-6, bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id(EOS_TOKEN), pad_token_id=tok.token_to_id("<unk>"), tie_word_embeddings=False)
@@ -216,10 +225,19 @@ def build(directory: str | Path, shape: CircuitShape = CIRCUIT_TARGET, vocab_siz
         norm_in = (D / 1) ** 0.5                 # RMSNorm turns a unit code (alone) into D^0.5 times it
         norm_two = (D / 2) ** 0.5                # (with the previous token's code beside it)
         freqs = ROPE_THETA ** (-torch.arange(half, dtype=torch.float64) * 2 / hd)
-        first, second = model.model.layers
-        for layer in (first, second):
+        first, second, *fillers = model.model.layers
+        for layer in model.model.layers:
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)
+        # filler layers: random weights throughout, but their outputs (o_proj, down_proj) only reach the
+        # residual dimensions past the circuit's three codes. The final RMSNorm then scales the copy code by a
+        # positive factor, which the lm_head's argmax does not see: the filler changes no greedy token.
+        for layer in fillers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.normal_(0.0, 0.02, generator=gen)
+            layer.self_attn.o_proj.weight[:3 * c] = 0.0
+            layer.mlp.down_proj.weight[:3 * c] = 0.0
         # layer 1, head 0: the previous position. Constant q and k on the fast pairs, q turned by one step, so
         # q_i . k_j = s * sum cos((i - j - 1) theta): largest at j = i - 1
         attn = first.self_attn

@@ -12,7 +12,7 @@ rolled back past the rejected drafts: their keys and values stay in the cache un
 written again, and no prefix-cache hash ever covers them.
 
 The rule: speculation pays when it raises tokens per second. With B requests decoding, a forward pass over
-T tokens costing ``c(T) = base + per_token * T`` (measured on the model at start), and request r expected to
+T tokens costing ``c(T)`` (measured on the model at start, 1 to 128 rows, ``StepCost``), and request r expected to
 emit ``E_r = (1 - a_r^(k_r + 1)) / (1 - a_r)`` tokens when it verifies k_r drafts accepted at rate a_r
 (its own acceptance so far, shrunk towards the engine's recent rate), the step speculates for the requests
 S (best ``(E_r - 1) / k_r`` first) that maximize
@@ -33,6 +33,7 @@ accepted drafts before them), requests still in prefill, and the last token of a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -119,11 +120,33 @@ class SpecDecodeStats:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of a forward pass over T decode rows: ``base + per_token * T``; the draft model's likewise."""
+    """Seconds of a step whose forward pass covers T decode rows: ``points``, where measured, interpolated
+    linearly between the measured row counts (and beyond the last with the last segment's slope), else
+    ``base + per_token * T``; plus ``overhead``, the step's time outside the forward pass. The draft model's
+    forward is ``draft_base + draft_per_token * rows``.
+
+    A straight line fits a forward pass badly where the kernels change with the row count: the int8 GEMM reads
+    its weights once for up to 15 rows and widens them for more (measured on the reference model, int8: 1 to 4
+    rows cost nearly the same, 20 rows three times that), so a line through 1 and 32 rows put a verification of
+    4 requests x 5 rows far too cheap, and the rule speculated where it lost."""
     base: float
     per_token: float
     draft_base: float = 0.0
     draft_per_token: float = 0.0
+    points: tuple[tuple[int, float], ...] = ()      # (rows, forward seconds), rows ascending
+    overhead: float = 0.0
+
+    def seconds(self, rows: int) -> float:
+        p = self.points
+        if not p:
+            return self.base + self.per_token * rows + self.overhead
+        if rows <= p[0][0]:
+            return p[0][1] + self.overhead
+        for (r0, s0), (r1, s1) in zip(p, p[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0) + self.overhead
+        slope = (p[-1][1] - p[-2][1]) / (p[-1][0] - p[-2][0]) if len(p) > 1 else self.per_token
+        return p[-1][1] + slope * (rows - p[-1][0]) + self.overhead
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -137,12 +160,12 @@ def choose(gains: list[tuple[float, int]], batch: int, cost: StepCost, draft_rou
     """How many of the candidates to speculate for, each ``(expected extra tokens, draft rows)`` and sorted
     best first, in a step of ``batch`` decoding requests: the prefix that maximizes tokens per second
     (0: none; ties keep fewer)."""
-    best_s, best_rate = 0, batch / (cost.base + cost.per_token * batch)
+    best_s, best_rate = 0, batch / cost.seconds(batch)
     tokens, rows = float(batch), batch
     for s, (gain, k) in enumerate(gains, start=1):
         tokens += gain
         rows += k
-        seconds = cost.base + cost.per_token * rows
+        seconds = cost.seconds(rows)
         if draft_rounds:
             seconds += draft_rounds * (cost.draft_base + cost.draft_per_token * s)
         if tokens / seconds > best_rate * (1 + 1e-9):
@@ -166,20 +189,33 @@ def forward_seconds(model: LlamaModel, rows: int, context: int, rounds: int = 3)
     return best
 
 
+COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)   # rows the target step cost is measured at
+
+
 def measure_cost(model: LlamaModel, num_blocks: int, max_model_len: int, draft: LlamaModel | None = None,
                  draft_blocks: int = 0) -> StepCost:
-    """Fit ``StepCost`` from forward passes over 1 and up to 32 decode rows of the model (and the draft)."""
+    """``StepCost`` from forward passes of the model over COST_ROWS decode rows (as many as the pool holds;
+    made non-decreasing, against timing noise), with a line through the first and last for the log; the
+    draft's from 1 and up to 32 rows."""
     context = min(32, max_model_len)
 
-    def fit(m: LlamaModel, blocks: int) -> tuple[float, float]:
-        high = max(2, min(32, blocks // -(-context // m.block_size)))
+    def most_rows(m: LlamaModel, blocks: int) -> int:
+        return max(2, blocks // -(-context // m.block_size))
+
+    def line(m: LlamaModel, blocks: int) -> tuple[float, float]:
+        high = min(32, most_rows(m, blocks))
         one, many = forward_seconds(m, 1, context), forward_seconds(m, high, context)
         per_token = max((many - one) / (high - 1), 1e-7)
         return max(one - per_token, 0.0), per_token
 
-    base, per_token = fit(model, num_blocks)
-    draft_base, draft_per_token = fit(draft, draft_blocks) if draft is not None else (0.0, 0.0)
-    return StepCost(base, per_token, draft_base, draft_per_token)
+    points: list[tuple[int, float]] = []
+    for rows in (r for r in COST_ROWS if r <= most_rows(model, num_blocks)):
+        seconds = forward_seconds(model, rows, context)
+        points.append((rows, max(seconds, points[-1][1] if points else 0.0)))
+    (r0, s0), (r1, s1) = points[0], points[-1]
+    per_token = max((s1 - s0) / max(r1 - r0, 1), 1e-7)
+    draft_base, draft_per_token = line(draft, draft_blocks) if draft is not None else (0.0, 0.0)
+    return StepCost(max(s0 - per_token * r0, 0.0), per_token, draft_base, draft_per_token, tuple(points))
 
 
 class Speculator:
@@ -250,8 +286,7 @@ class Speculator:
             decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
             scored = sorted(((expected_tokens(self._rate(r.request_id), k) - 1.0, k, r) for r, k in candidates),
                             key=lambda g: -g[0] / g[1])
-            cost = StepCost(self.cost.base + self.overhead, self.cost.per_token, self.cost.draft_base,
-                            self.cost.draft_per_token)
+            cost = dataclasses.replace(self.cost, overhead=self.overhead)
             take = choose([(g, k) for g, k, _ in scored], decoding, cost, self.k if self.draft else 0)
             if take == 0:
                 self.stats.num_steps_declined += 1

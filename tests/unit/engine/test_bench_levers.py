@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tokenfleet_serving.bench import copy_task, levers
 from tokenfleet_serving.engine import LLMEngine
@@ -27,6 +28,23 @@ def test_the_built_circuit_copies_from_its_prompt_and_prompt_lookup_holds(copier
     stats = eng.stats().spec_decode
     assert stats.num_accepted_tokens > 0.6 * stats.num_draft_tokens     # so prompt lookup's drafts hold
     assert run.output_tokens == 2 * 40 and len(run.ttft) == 2 and all(t > 0 for t in run.tpot)
+
+
+def test_the_circuits_filler_layers_compute_but_change_no_greedy_token(tmp_path):
+    bare = copy_task.CircuitShape(hidden_size=256)
+    padded = copy_task.CircuitShape(hidden_size=256, filler_layers=2, intermediate_size=64)
+    copy_task.build(tmp_path / "bare", bare)
+    copy_task.build(tmp_path / "padded", padded)
+    prompts = copy_task.prompts(copy_task.W5, 3, seed=9)
+    outs = {}
+    for name in ("bare", "padded"):
+        eng = LLMEngine.from_pretrained(tmp_path / name, dtype="float32", kv_cache_bytes=16 << 20, load_tokenizer=False)
+        assert eng.model_config.num_layers == (2 if name == "bare" else 4)
+        outs[name] = [o.new_token_ids for o in eng.generate(prompts, levers.SamplingParams(max_tokens=40, temperature=0.0))]
+        if name == "padded":       # the filler is not zero: it moves the logits, only not their argmax
+            filler = eng.model.layers[3]
+            assert filler["gate_up"](torch.ones(1, 256)).abs().max() > 0
+    assert outs["padded"] == outs["bare"] and all(outs["bare"])
 
 
 def test_training_a_copy_model_saves_a_checkpoint_the_engine_loads(tmp_path):

@@ -290,6 +290,20 @@ def test_the_rule_speculates_while_it_raises_tokens_per_second():
     assert choose([good], 1, draft, 4) == 1
 
 
+def test_a_measured_step_cost_is_interpolated_and_a_jump_in_it_stops_the_rule():
+    # int8-like: flat up to 16 rows (the weights are read once), then three times the cost (widened weights)
+    measured = StepCost(base=0.0, per_token=0.0, points=((1, 0.010), (4, 0.011), (16, 0.012), (20, 0.033), (32, 0.036)))
+    assert measured.seconds(1) == 0.010 and measured.seconds(0) == 0.010
+    assert measured.seconds(10) == pytest.approx(0.0115) and measured.seconds(18) == pytest.approx(0.0225)
+    assert measured.seconds(64) == pytest.approx(0.036 + 0.003 / 12 * 32)          # the last slope, onwards
+    assert StepCost(0.0, 0.0, points=measured.points, overhead=0.002).seconds(4) == pytest.approx(0.013)
+    good = (expected_tokens(0.8, 4) - 1, 4)
+    line = StepCost(base=0.010, per_token=(0.036 - 0.010) / 31)     # a straight line through 1 and 32 rows
+    assert choose([good] * 4, 4, line, 0) == 4                      # the line thinks 20 rows are cheap ...
+    assert choose([good] * 4, 4, measured, 0) == 3                  # ... the measured cost stays under the jump
+    assert choose([good], 1, measured, 0) == 1
+
+
 def test_the_engine_switches_speculation_off_for_big_batches_and_probes(llama_dir, monkeypatch):
     monkeypatch.setattr(spec_module, "measure_cost", lambda *a, **k: StepCost(base=0.010, per_token=0.0003))
     monkeypatch.setattr(spec_module, "OVERHEAD_DECAY", 0.0)      # the given cost only, not this host's timing
