@@ -250,7 +250,7 @@ def run_cluster(node_count: int, slice_count: int, workdir: str | None, timeout:
         all_bound_at = None
         ready = bound = 0
         waits: list[int] = []
-        timeline: list[tuple[float, int, int]] = []      # (seconds since the apply, bound, ready)
+        timeline: list[tuple[float, int, int]] = []      # (seconds since the apply began, bound, ready)
         while time.monotonic() - t0 < timeout:
             out = plane.kubectl("get", "slices", "-n", namespace, "-o", "json", check=False)
             if out.returncode == 0:
@@ -340,10 +340,16 @@ def plot(result: dict, path: str) -> None:
         fig, (ax,) = pl.figure(1, f"tokenfleet bench placement --cluster: {result['slices']} Slices on "
                                   f"{result['nodes']} KWOK nodes, real control plane", panel_height=4.0)
         t = [s[0] for s in result["timeline"]]
-        ax.plot(t, [s[1] for s in result["timeline"]], label="bound (admitted whole)")
-        ax.plot(t, [s[2] for s in result["timeline"]], label="Ready")
+        ax.plot(t, [s[1] for s in result["timeline"]], marker="o", markersize=3, label="bound (admitted whole)")
+        ax.plot(t, [s[2] for s in result["timeline"]], marker="o", markersize=3, label="Ready")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.axhline(result["slices"], color="0.7", linewidth=0.8)
-        ax.set_xlabel("seconds after applying every Slice at once")
+        if result.get("apply_seconds"):
+            ax.axvline(result["apply_seconds"], color="0.5", linestyle=":", linewidth=0.8)
+            ax.annotate("kubectl apply returns (the first poll)", (result["apply_seconds"], 0), fontsize=7, color="0.4",
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("seconds since one kubectl apply of every Slice began")
         ax.set_ylabel("Slices")
         ax.legend(fontsize=8)
         pl.save(fig, path, result.get("hardware"))
