@@ -295,6 +295,11 @@ class AutoscalingSpec(ApiModel):
         default=0.8, description="Mean KV-cache usage of the ready replicas (0..1) that the autoscaler aims for.",
         gt=0, le=1,
     )
+    target_waiting_per_replica: float | None = Field(
+        default=None, description="Requests waiting for a batch slot per ready replica that the autoscaler aims for: the "
+        "engines' queues (vllm:num_requests_waiting) plus the requests the router holds. Unset: the queue is no signal "
+        "of its own (it still counts in targetRequestsPerReplica).", gt=0, le=100000,
+    )
     scale_up_stabilization_seconds: int = Field(
         default=0, description="A scale-up takes the lowest recommendation of this window (0: at once).", ge=0, le=3600
     )
@@ -516,6 +521,10 @@ class AutoscalingStatus(ApiModel):
     message: str | None = Field(default=None, description="The signal and its target, in words.")
     last_scale_time: str | None = Field(default=None, description="When the replica count last changed (RFC 3339).")
     requests_per_replica: float | None = Field(default=None, description="Waiting + running requests per ready replica.")
+    waiting_per_replica: float | None = Field(
+        default=None, description="Requests waiting for a batch slot (the engines' queues and the router's held ones) "
+        "per ready replica.")
+    running_per_replica: float | None = Field(default=None, description="Requests in the engines' batches per ready replica.")
     kv_cache_usage: float | None = Field(default=None, description="Mean KV-cache usage of the ready replicas.")
     pending_requests: int | None = Field(default=None, description="Requests the router holds because no replica is ready.")
     last_cold_start_seconds: float | None = Field(

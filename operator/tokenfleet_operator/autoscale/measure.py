@@ -51,6 +51,10 @@ def combine(readings: list[RouterReading]) -> RouterReading:
             r.backend_load[name] = max(r.backend_load.get(name, 0.0), value)
         for name, value in one.backend_kv.items():
             r.backend_kv[name] = max(r.backend_kv.get(name, 0.0), value)
+        for name, value in one.backend_waiting.items():
+            r.backend_waiting[name] = max(r.backend_waiting.get(name, 0.0), value)
+        for name, value in one.backend_running.items():
+            r.backend_running[name] = max(r.backend_running.get(name, 0.0), value)
     r.backend_inflight = _add([one.backend_inflight for one in readings])
     r.backend_draining = {n: max(one.backend_draining.get(n, 0.0) for one in readings)
                           for n in {k for one in readings for k in one.backend_draining}}
@@ -156,11 +160,14 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str]) -> Sig
     r = latest.reading
     ready = [p for p in ready_serving_pods if p in r.backend_load]
     requests = sum(r.backend_load[p] for p in ready) + r.pending
+    waiting = sum(r.backend_waiting.get(p, 0.0) for p in ready) + r.pending       # the held ones queue too
+    running = sum(r.backend_running.get(p, 0.0) for p in ready)
     kv = [r.backend_kv[p] for p in ready if p in r.backend_kv]
     last_minute = window(history, ATTAINMENT_WINDOW_S)
     attainment = last_minute.request_ratio if last_minute else None
     return Signals(ready_replicas=len(ready), requests=requests, kv_cache_usage=sum(kv) / len(kv) if kv else None,
-                   slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0)
+                   slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0, waiting=waiting,
+                   running=running)
 
 
 def goodput(history: ReadingHistory | None, percentile: float, seconds: float = GOODPUT_WINDOW_S) -> dict | None:

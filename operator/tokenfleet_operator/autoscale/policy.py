@@ -5,6 +5,8 @@ Signals (``Signals``), read from the service's router by the collector:
 - requests: waiting + running requests summed over the ready replicas (vLLM's ``num_requests_waiting`` and
   ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
   replica is up;
+- waiting requests alone (the engines' queues, plus those the router holds), with a target of their own when
+  ``targetWaitingPerReplica`` is set: a queue means requests wait for a batch slot, which TTFT feels first;
 - KV-cache usage: the mean over the ready replicas (0..1);
 - SLO attainment: the share of recent requests that met ``spec.slo`` (TTFT and TPOT), when there were any.
 
@@ -32,6 +34,7 @@ class Why(StrEnum):
     SCALE_FROM_ZERO = "ScaleFromZero"
     SCALE_TO_ZERO = "ScaleToZero"
     REQUESTS = "RequestsPerReplica"
+    WAITING = "WaitingPerReplica"
     KV_CACHE = "KvCacheUsage"
     SLO = "SloAttainment"
     MIN_REPLICAS = "MinReplicas"
@@ -52,6 +55,7 @@ class Targets:
     max_scale_up: int = 4
     max_scale_down: int = 1
     scale_to_zero_after_s: float = 300.0
+    waiting_per_replica: float = 0.0          # 0: the queue is no signal of its own
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class Signals:
     slo_attainment: float | None          # share of recent requests within the SLO; None: no requests or no SLO
     pending: int = 0                      # requests the router holds because no replica is ready
     idle_s: float = 0.0                   # seconds since the router last received a request
+    waiting: float = 0.0                  # in the ready replicas' queues, plus held by the router
+    running: float = 0.0                  # in the ready replicas' batches
 
 
 @dataclass
@@ -94,6 +100,10 @@ def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
     if t.requests_per_replica > 0:
         n = math.ceil(s.requests / t.requests_per_replica - 1e-9)
         needs.append((n, Why.REQUESTS, f"{s.requests:g} requests in flight, target {t.requests_per_replica:g} per replica"))
+    if t.waiting_per_replica > 0:
+        n = math.ceil(s.waiting / t.waiting_per_replica - 1e-9)
+        needs.append((n, Why.WAITING, f"{s.waiting:g} requests waiting for a batch slot, target "
+                                      f"{t.waiting_per_replica:g} per replica"))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
         n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
         needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))

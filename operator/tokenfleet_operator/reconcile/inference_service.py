@@ -125,7 +125,7 @@ def _targets(spec: InferenceServiceSpec) -> Targets:
                    spec.slo.percentile / 100 if spec.slo.time_to_first_token_ms or spec.slo.time_per_output_token_ms
                    else 0.0,
                    a.scale_up_stabilization_seconds, a.scale_down_stabilization_seconds, a.max_scale_up_replicas,
-                   a.max_scale_down_replicas, a.scale_to_zero_after_seconds)
+                   a.max_scale_down_replicas, a.scale_to_zero_after_seconds, a.target_waiting_per_replica or 0.0)
 
 
 def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready_pods: set[str],
@@ -144,6 +144,8 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
         "reason": rec.reason.value, "message": rec.message,
         "lastScaleTime": (old.get("autoscaling") or {}).get("lastScaleTime"),
         "requestsPerReplica": round(sig.requests / max(sig.ready_replicas, 1), 3) if sig else None,
+        "waitingPerReplica": round(sig.waiting / max(sig.ready_replicas, 1), 3) if sig else None,
+        "runningPerReplica": round(sig.running / max(sig.ready_replicas, 1), 3) if sig else None,
         "kvCacheUsage": round(sig.kv_cache_usage, 4) if sig and sig.kv_cache_usage is not None else None,
         "pendingRequests": sig.pending if sig else None,
         "lastColdStartSeconds": cold_start_seconds(history),

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 # per backend (label "backend": the pod)
 BACKEND_LOAD = "tokenfleet_router_backend_load"                    # running + waiting requests (the engine's)
+BACKEND_WAITING = "tokenfleet_router_backend_requests_waiting"     # the engine's queue (vllm:num_requests_waiting)
+BACKEND_RUNNING = "tokenfleet_router_backend_requests_running"     # in its batch (vllm:num_requests_running)
 BACKEND_KV = "tokenfleet_router_backend_kv_cache_usage"            # 0..1
 BACKEND_INFLIGHT = "tokenfleet_router_backend_inflight"            # requests this router has open to it
 BACKEND_DRAINING = "tokenfleet_router_backend_draining"            # 1 while it gets no new requests
@@ -76,6 +78,8 @@ class RouterReading:
     """One scrape of one router."""
 
     backend_load: dict[str, float] = field(default_factory=dict)
+    backend_waiting: dict[str, float] = field(default_factory=dict)
+    backend_running: dict[str, float] = field(default_factory=dict)
     backend_kv: dict[str, float] = field(default_factory=dict)
     backend_inflight: dict[str, float] = field(default_factory=dict)
     backend_draining: dict[str, float] = field(default_factory=dict)
@@ -102,7 +106,8 @@ class RouterReading:
         return r
 
     def _take(self, name: str, labels: dict[str, str], value: float, hists: dict[str, Histogram]) -> None:
-        per_backend = {BACKEND_LOAD: self.backend_load, BACKEND_KV: self.backend_kv,
+        per_backend = {BACKEND_LOAD: self.backend_load, BACKEND_WAITING: self.backend_waiting,
+                       BACKEND_RUNNING: self.backend_running, BACKEND_KV: self.backend_kv,
                        BACKEND_INFLIGHT: self.backend_inflight, BACKEND_DRAINING: self.backend_draining}
         if name in per_backend and "backend" in labels:
             per_backend[name][labels["backend"]] = value

@@ -13,7 +13,9 @@ are computed from the fleet state at scrape time.
 | ``tokenfleet_router_prefix_query_blocks_total`` | counter | full prompt blocks of routed requests |
 | ``tokenfleet_router_prefix_hit_blocks_total`` | counter | of those, cached on the chosen backend (as far as the router knew) |
 | ``tokenfleet_router_backends{state}`` | gauge | endpoints listed, and routable |
-| ``tokenfleet_router_backend_load{backend}`` | gauge | running + waiting requests |
+| ``tokenfleet_router_backend_load{backend}`` | gauge | running + waiting requests (at least those this router has open) |
+| ``tokenfleet_router_backend_requests_waiting{backend}`` | gauge | the backend's queue, ``vllm:num_requests_waiting`` as polled |
+| ``tokenfleet_router_backend_requests_running{backend}`` | gauge | the backend's batch, ``vllm:num_requests_running`` as polled |
 | ``tokenfleet_router_backend_kv_cache_usage{backend}`` | gauge | KV-cache usage 0..1 |
 | ``tokenfleet_router_backend_inflight{backend}`` | gauge | requests this router has open to the backend |
 | ``tokenfleet_router_backend_cached_blocks{backend}`` | gauge | blocks in the backend's prefix cache |
@@ -131,7 +133,11 @@ class _FleetCollector:
         states.add_metric(["routable"], len(routable))
         yield states
         per = {
-            "load": GaugeMetricFamily("tokenfleet_router_backend_load", "Running + waiting requests.", labels=["backend"]),
+            "load": GaugeMetricFamily(rm.BACKEND_LOAD, "Running + waiting requests.", labels=["backend"]),
+            "waiting": GaugeMetricFamily(rm.BACKEND_WAITING, "Requests in the backend's queue (vllm:num_requests_waiting).",
+                                         labels=["backend"]),
+            "running": GaugeMetricFamily(rm.BACKEND_RUNNING, "Requests in the backend's batch (vllm:num_requests_running).",
+                                         labels=["backend"]),
             "kv": GaugeMetricFamily("tokenfleet_router_backend_kv_cache_usage", "KV-cache usage 0..1.", labels=["backend"]),
             "inflight": GaugeMetricFamily("tokenfleet_router_backend_inflight", "Requests open from this router.",
                                           labels=["backend"]),
@@ -142,6 +148,8 @@ class _FleetCollector:
         }
         for b in backends:
             per["load"].add_metric([b.name], b.load())
+            per["waiting"].add_metric([b.name], b.sample.waiting if b.sample else 0.0)
+            per["running"].add_metric([b.name], b.sample.running if b.sample else 0.0)
             per["kv"].add_metric([b.name], b.sample.kv_usage if b.sample else 0.0)
             per["inflight"].add_metric([b.name], b.inflight)
             per["blocks"].add_metric([b.name], len(b.cached))

@@ -162,6 +162,37 @@ def test_cost_per_million_tokens_from_the_backends_generation_rate(fleet):
     assert m["tokenfleet:cost_per_million_tokens_usd{currency=USD}"] == pytest.approx(dollars / (rate * 3600) * 1e6)
 
 
+def test_the_router_exports_each_backends_waiting_and_running_requests_apart(fleet):
+    import threading
+
+    router = fleet["router"]
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            complete(router.base_url, "a long answer", max_tokens=400, ignore_eos=True)
+
+    clients = [threading.Thread(target=load) for _ in range(6)]
+    for c in clients:
+        c.start()
+    try:
+        def running():
+            m = metric_samples(router.base_url)
+            total = sum(v for k, v in m.items() if k.startswith("tokenfleet_router_backend_requests_running{"))
+            return m if total >= 1 else None
+
+        m = wait_until(running, 30, what="a running request in a backend's gauge")
+        backends = [k[k.index("{"):] for k in m if k.startswith("tokenfleet_router_backend_requests_running{")]
+        assert backends and len(backends) == len([k for k in m if k.startswith("tokenfleet_router_backend_load{")])
+        for labels in backends:            # the sum the router routes on is the two it now shows apart
+            waiting, run = (m[f"tokenfleet_router_backend_requests_{w}{labels}"] for w in ("waiting", "running"))
+            assert m[f"tokenfleet_router_backend_load{labels}"] >= waiting + run
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(60)
+
+
 def test_a_killed_backend_is_routed_around_and_none_left_is_503(fleet):
     import openai
 

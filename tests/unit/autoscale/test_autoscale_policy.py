@@ -17,6 +17,17 @@ def test_load_above_target_scales_up_at_once_by_the_requests_needed():
     assert (r.replicas, r.reason) == (4, Why.REQUESTS)            # ceil(30 / 8)
 
 
+def test_a_queue_target_scales_on_waiting_requests_alone():
+    queued = Signals(2, 10, 0.1, None, 0, 0.0, waiting=9, running=1)        # few running, many waiting
+    assert recommend(T, 2, queued, History(), 0).replicas == 2       # no queue target: ceil(10 / 8) in flight
+    t = Targets(**{**T.__dict__, "waiting_per_replica": 2})
+    r = recommend(t, 2, queued, History(), 0)
+    assert (r.replicas, r.reason) == (4, Why.WAITING) and "9 requests waiting" in r.message   # ceil(9 / 2) = 5 > max 4
+    assert r.limited
+    calm = Signals(2, 10, 0.1, None, 0, 0.0, waiting=0, running=10)
+    assert recommend(t, 2, calm, History(), 0).reason != Why.WAITING
+
+
 def test_the_biggest_need_wins_and_each_signal_can_be_it():
     assert recommend(T, 2, sig(2, 4, kv=0.95), History(), 0).reason == Why.KV_CACHE      # ceil(2 * .95 / .8) = 3
     r = recommend(T, 2, sig(2, 4, kv=0.1, slo=0.80), History(), 0)

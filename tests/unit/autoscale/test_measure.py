@@ -82,6 +82,25 @@ def test_signals_from_the_ready_replicas_and_the_last_minute():
     assert signals(None, set()) is None
 
 
+def test_waiting_and_running_are_separate_signals_from_the_routers_gauges():
+    text = "\n".join([
+        '# TYPE tokenfleet_router_backend_load gauge', 'tokenfleet_router_backend_load{backend="a-0"} 7',
+        'tokenfleet_router_backend_load{backend="b-0"} 2',
+        '# TYPE tokenfleet_router_backend_requests_waiting gauge',
+        'tokenfleet_router_backend_requests_waiting{backend="a-0"} 3',
+        'tokenfleet_router_backend_requests_waiting{backend="b-0"} 0',
+        '# TYPE tokenfleet_router_backend_requests_running gauge',
+        'tokenfleet_router_backend_requests_running{backend="a-0"} 4',
+        'tokenfleet_router_backend_requests_running{backend="b-0"} 2',
+        '# TYPE tokenfleet_router_pending_requests gauge', 'tokenfleet_router_pending_requests 1', ""])
+    r = RouterReading.from_text(text)
+    assert r.backend_waiting == {"a-0": 3, "b-0": 0} and r.backend_running == {"a-0": 4, "b-0": 2}
+    both = combine([r, RouterReading.from_text(text)])          # two routers poll the same replicas
+    assert both.backend_waiting == r.backend_waiting and both.pending == 2
+    s = signals(history((0, both, 2)), {"a-0", "b-0"})
+    assert (s.requests, s.waiting, s.running) == (11, 5, 6)       # the held requests queue too
+
+
 def test_combining_routers_adds_what_they_count_and_keeps_the_replicas_load():
     a = reading(met=1, tokens=10, load={"p": 3}, inflight={"p": 1}, pending=1, idle=5.0)
     b = reading(met=2, tokens=20, load={"p": 3}, inflight={"p": 2}, pending=0, idle=1.0)
