@@ -13,7 +13,9 @@ Two modes, by the plan's keys:
 
 ``start_at`` (unix time) is when the trace's second 0 is, so that the orchestrator can line the records up
 with what it sampled of the cluster. Times in the records are unix seconds, as measured here, at the
-client: ``sent``, ``first_token`` (the first event that carries text), ``finished`` (the end of the
+client: ``sent``, ``first_token`` (the first event that carries a token: text, or its id, which the request asks
+for with tokenfleet's ``return_token_ids``, since a token can decode to no text yet, and a server sends no
+text-less event otherwise), ``finished`` (the end of the
 stream). A request is **complete** when it got a 200, a stream that ended with ``[DONE]``, no error event
 and a usage event that counts ``max_tokens`` completion tokens; anything else is lost, and says why in
 ``error``.
@@ -40,7 +42,7 @@ def _record(phase: str, scheduled: float, prompt_len: int, max_tokens: int) -> d
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
                       rec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     rec["sent"] = time.time()
     done = False
     try:
@@ -66,7 +68,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
                         if "error" in obj:
                             rec["error"] = f"error event: {json.dumps(obj['error'])[:200]}"
                         for choice in obj.get("choices") or []:
-                            if choice.get("text") and rec["first_token"] is None:
+                            if (choice.get("text") or choice.get("token_ids")) and rec["first_token"] is None:
                                 rec["first_token"] = time.time()
                         usage = obj.get("usage")
                         if isinstance(usage, dict):

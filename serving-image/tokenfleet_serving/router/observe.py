@@ -3,7 +3,8 @@ delivered, and whether the request met the service's SLO.
 
 Definitions (vLLM's and inference-perf's), measured where the client's request passes:
 
-- TTFT: arrival at the router to the first output token (for a stream: the first event that carries text);
+- TTFT: arrival at the router to the first output token (for a stream: the first event that carries one, as
+  text or as its id);
 - TPOT: (end-to-end - TTFT) / (output tokens - 1), for requests of two or more output tokens;
 - end-to-end: arrival to the last byte.
 
@@ -63,11 +64,13 @@ def event_json(event: bytes) -> dict[str, Any] | None:
 
 
 def carries_output(obj: dict[str, Any]) -> bool:
-    """A streamed chunk with output text (a chat chunk that only says the role carries none)."""
+    """A streamed chunk with output: text, or token ids (the router asks every backend for them, and a token can
+    decode to no text yet); a chat chunk that only says the role carries none."""
     for choice in obj.get("choices") or []:
         if not isinstance(choice, dict):
             continue
-        if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
+        if (choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("token_ids")
+                or choice.get("finish_reason")):
             return True
     return False
 

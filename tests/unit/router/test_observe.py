@@ -27,6 +27,13 @@ def test_events_are_split_across_arbitrary_chunk_boundaries():
         assert is_usage_only(objs[2]) and completion_tokens(objs[2]) == 7
 
 
+def test_a_token_that_decodes_to_no_text_yet_is_the_first_token():
+    # the server holds back text that is not whole yet (a partial UTF-8 sequence, a possible stop string); the
+    # token is out all the same, and its id is in the chunk the router asked for
+    assert carries_output({"choices": [{"index": 0, "text": "", "token_ids": [317]}]})
+    assert not carries_output({"choices": [{"index": 0, "text": "", "token_ids": []}]})
+
+
 def test_the_router_asks_for_usage_and_remembers_whether_the_client_did():
     body = {"stream": True}
     assert not ask_for_usage(body) and body["stream_options"] == {"include_usage": True}
