@@ -63,7 +63,15 @@ NOSHARING_POLICIES = ("prefix-aware", "least-load")
 FIRST_TOKEN_ID = 5          # ids below are the tokenizer's special tokens
 
 
-def default_trace(scale: float = 1.0, rate: float = 3.0) -> list[Phase]:
+# The plateau's rate and the autoscaler's target: the small model answers a request in about 50 ms, so at the
+# API's default target (8 in flight per replica) one replica takes any rate these two cores can serve, and the
+# trace would show no scaling at all (measured: 3 requests/s kept one replica). 12/s with 2 in flight per
+# replica makes the plateau and the burst need 2-3 replicas.
+DEFAULT_RATE = 12.0
+DEFAULT_TARGET_REQUESTS_PER_REPLICA = 2.0
+
+
+def default_trace(scale: float = 1.0, rate: float = DEFAULT_RATE) -> list[Phase]:
     """Ramp up, plateau, burst, ramp down, idle; ``scale`` stretches the durations, ``rate`` is the plateau's."""
     return [Phase("ramp-up", 40 * scale, 0.2 * rate, rate), Phase("plateau", 80 * scale, rate, rate),
             Phase("burst", 20 * scale, 2 * rate, 2 * rate), Phase("ramp-down", 40 * scale, rate, 0.2 * rate),
@@ -88,7 +96,7 @@ class Settings:
     max_replicas: int = 4
     slo_ttft_ms: int | None = None             # None: from the static run's plateau
     slo_tpot_ms: int | None = None
-    target_requests_per_replica: float = 8.0
+    target_requests_per_replica: float = DEFAULT_TARGET_REQUESTS_PER_REPLICA
     scale_down_stabilization_s: int = 20
     scale_to_zero_after_s: int = 20
     collect_seconds: float = 2.0
@@ -716,12 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-scale", type=float, default=0.8, help="stretch the trace's phases (1: 225 s)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rate", type=float, default=3.0, help="plateau rate, requests per second (burst: twice)")
+    ap.add_argument("--rate", type=float, default=DEFAULT_RATE, help="plateau rate, requests per second (burst: twice)")
     ap.add_argument("--max-replicas", type=int, default=4)
     ap.add_argument("--slo-ttft-ms", type=int, help="default: from the static run (see the description)")
     ap.add_argument("--slo-tpot-ms", type=int)
-    ap.add_argument("--target-requests-per-replica", type=float, default=8.0,
-                    help="spec.autoscaling.targetRequestsPerReplica (the API default)")
+    ap.add_argument("--target-requests-per-replica", type=float, default=DEFAULT_TARGET_REQUESTS_PER_REPLICA,
+                    help="spec.autoscaling.targetRequestsPerReplica (the API's default is 8)")
     ap.add_argument("--scale-down-stabilization", type=int, default=20)
     ap.add_argument("--scale-to-zero-after", type=int, default=20)
     ap.add_argument("--collect-seconds", type=float, default=2.0, help="the operator's --collect-seconds")

@@ -23,7 +23,7 @@ def short() -> Settings:
         trace=[Phase("ramp-up", 4, 0.5, 2.0), Phase("plateau", 6, 2.0, 2.0), Phase("burst", 3, 4.0, 4.0),
                Phase("ramp-down", 4, 2.0, 0.5), Phase("idle", 6, 0.0, 0.0)],
         prompt_tokens=32, max_tokens=8, max_replicas=2, slo_ttft_ms=60000, slo_tpot_ms=10000,
-        scale_down_stabilization_s=5, scale_to_zero_after_s=5, collect_seconds=1,
+        scale_down_stabilization_s=5, scale_to_zero_after_s=5, collect_seconds=1, target_requests_per_replica=8.0,
         w4_replicas=2, w4_clients=4, w4_seconds=6, w4_warmup_s=1, w4_prefixes=4, w4_prefix_tokens=128, w4_suffix_tokens=8,
         w4_max_tokens=4, w4_kv_mb=2, policies=("prefix-aware", "round-robin"),
         nosharing_policies=("prefix-aware", "least-load"),
