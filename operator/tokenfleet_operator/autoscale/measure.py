@@ -41,23 +41,25 @@ def _add(dicts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _max(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
+
+
 def combine(readings: list[RouterReading]) -> RouterReading:
     """The service's reading from all its router pods: counters, histograms, held and in-flight requests add
     up; every router polls every replica, so a replica's load and KV usage are the same in each (the highest is
     taken); the service was idle for as long as its least idle router."""
     r = RouterReading()
-    for one in readings:
-        for name, value in one.backend_load.items():
-            r.backend_load[name] = max(r.backend_load.get(name, 0.0), value)
-        for name, value in one.backend_kv.items():
-            r.backend_kv[name] = max(r.backend_kv.get(name, 0.0), value)
-        for name, value in one.backend_waiting.items():
-            r.backend_waiting[name] = max(r.backend_waiting.get(name, 0.0), value)
-        for name, value in one.backend_running.items():
-            r.backend_running[name] = max(r.backend_running.get(name, 0.0), value)
+    r.backend_load = _max([one.backend_load for one in readings])
+    r.backend_kv = _max([one.backend_kv for one in readings])
+    r.backend_waiting = _max([one.backend_waiting for one in readings])
+    r.backend_running = _max([one.backend_running for one in readings])
     r.backend_inflight = _add([one.backend_inflight for one in readings])
-    r.backend_draining = {n: max(one.backend_draining.get(n, 0.0) for one in readings)
-                          for n in {k for one in readings for k in one.backend_draining}}
+    r.backend_draining = _max([one.backend_draining for one in readings])
     r.pending = sum(one.pending for one in readings)
     idles = [one.idle_s for one in readings if one.idle_s is not None]
     r.idle_s = min(idles) if idles else None

@@ -377,10 +377,10 @@ def _failure(o: Observation) -> tuple[str, int | None, str] | None:
     """(reason, member, message) of the first member failure of the current attempt, if any. A batch member
     that exits successfully has done its part; a serving member must not exit."""
     for pod in sorted(o.current, key=lambda p: p.member or 0):
-        if pod.phase == "Failed" and pod.exit_code in o.spec.restart_policy.permanent_exit_codes:
-            return Reason.CONFIGURATION_ERROR, pod.member or 0, f"pod {pod.name} failed: {pod.failure}"
         if pod.phase == "Failed":
-            return Reason.MEMBER_FAILED, pod.member or 0, f"pod {pod.name} failed: {pod.failure or 'no reason given'}"
+            permanent = pod.exit_code in o.spec.restart_policy.permanent_exit_codes
+            return (Reason.CONFIGURATION_ERROR if permanent else Reason.MEMBER_FAILED, pod.member or 0,
+                    f"pod {pod.name} failed: {pod.failure or 'no reason given'}")
         if pod.phase == "Succeeded" and not o.batch:
             return Reason.MEMBER_EXITED, pod.member or 0, f"pod {pod.name} exited; a serving member must keep running"
         if pod.restarts > 0:

@@ -33,6 +33,7 @@ accepted drafts before them), requests still in prefill, and the last token of a
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -142,9 +143,10 @@ class StepCost:
             return self.base + self.per_token * rows + self.overhead
         if rows <= p[0][0]:
             return p[0][1] + self.overhead
-        for (r0, s0), (r1, s1) in zip(p, p[1:]):
-            if rows <= r1:
-                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0) + self.overhead
+        i = bisect.bisect_left(p, rows, key=lambda point: point[0])     # called per candidate, per step
+        if i < len(p):
+            (r0, s0), (r1, s1) = p[i - 1], p[i]
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0) + self.overhead
         slope = (p[-1][1] - p[-2][1]) / (p[-1][0] - p[-2][0]) if len(p) > 1 else self.per_token
         return p[-1][1] + slope * (rows - p[-1][0]) + self.overhead
 
