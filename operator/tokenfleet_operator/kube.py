@@ -117,7 +117,10 @@ def load_api_client() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    conf = client.Configuration.get_default_copy()
+    # the workers, the collector and the gang pass's parallel writes share one pool of connections
+    conf.connection_pool_maxsize = 32
+    return client.ApiClient(conf)
 
 
 class Kube:
@@ -207,11 +210,13 @@ class Kube:
         return items
 
     def list_cluster(self, api_version: str, kind: str, *, label_selector: str | None = None,
-                     field_selector: str | None = None) -> list[dict[str, Any]]:
-        """List a namespaced kind across all namespaces (or a cluster-scoped kind)."""
+                     field_selector: str | None = None, resource_version: str | None = None) -> list[dict[str, Any]]:
+        """List a namespaced kind across all namespaces (or a cluster-scoped kind). ``resource_version="0"``:
+        any version the API server has, served from its watch cache (no quorum read from etcd)."""
         plural, _ = _PLURALS[kind]
         base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector),
+                                      ("resourceVersion", resource_version)) if v]
         items = self._call("GET", f"{base}/{plural}", query=query).get("items", [])
         for item in items:
             item.setdefault("apiVersion", api_version)

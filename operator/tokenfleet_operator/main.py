@@ -24,11 +24,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--health-port", type=int, default=8081, help="port of /healthz (0 disables)")
     ap.add_argument("--resync-seconds", type=float, default=300.0,
                     help="reconcile every object this often even without events (a safety net; events drive the rest)")
+    ap.add_argument("--replica-key-check-seconds", type=float, default=300.0,
+                    help="make sure each service's replica key Secret still exists this often (a create that gets 409 "
+                         "when it does); a deleted one is made anew within this time")
     ap.add_argument("--workers", type=int, default=4, help="reconciles that may run at once (different objects)")
     ap.add_argument("--schedule-interval-seconds", type=float, default=5.0,
                     help="run a gang-scheduler pass at least this often (events trigger passes sooner)")
     ap.add_argument("--collect-seconds", type=float, default=10.0,
                     help="read the replicas' throughput from their /metrics this often")
+    ap.add_argument("--gang-write-concurrency", type=int, default=8,
+                    help="binds (different Slices) and decision writes a gang pass keeps in flight at once")
     ap.add_argument("--no-gang-scheduler", action="store_true",
                     help="leave Slice members to the default scheduler (no all-or-nothing placement, no queues)")
     ap.add_argument("--no-leader-election", action="store_true",
@@ -50,11 +55,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.policy = OperatorPolicy.from_flags(args.allow_host_path)
     except ValueError as e:
         ap.error(str(e))
-    for name in ("resync_seconds", "schedule_interval_seconds", "collect_seconds", "lease_seconds"):
+    for name in ("resync_seconds", "replica_key_check_seconds", "schedule_interval_seconds", "collect_seconds", "lease_seconds"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.workers < 1:
         ap.error("--workers must be at least 1")
+    if args.gang_write_concurrency < 1:
+        ap.error("--gang-write-concurrency must be at least 1")
     return args
 
 
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector
     from tokenfleet_operator.controller.manager import Manager
+    from tokenfleet_operator.controller.triggers import GANG_PASS
+    from tokenfleet_operator.gang.cluster_view import CachedCluster
     from tokenfleet_operator.gang.scheduler import GangScheduler
     from tokenfleet_operator.kopf_events import registry
     from tokenfleet_operator.kube import Kube
@@ -81,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = Kube()
     namespaces = args.namespace or None
-    scheduler = None if args.no_gang_scheduler else GangScheduler(kube, namespaces, interval=args.schedule_interval_seconds)
+    scheduler: GangScheduler | None = None
 
     def gang_pass() -> float:
         assert scheduler is not None
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reconcilers = {
         "InferenceService": functools.partial(reconcile_inference_service, policy=args.policy,
-                                              keys=ReplicaKeys(check_seconds=args.resync_seconds),
+                                              keys=ReplicaKeys(check_seconds=args.replica_key_check_seconds),
                                               operator_namespace=args.lease_namespace),
         "Slice": functools.partial(reconcile_slice, policy=args.policy),
     }
@@ -98,9 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         log.info("host paths allowed under: %s", ", ".join(args.policy.host_path_prefixes))
     manager = Manager(
         kube, reconcilers,
-        gang_pass=gang_pass if scheduler else None, namespaces=namespaces, workers=args.workers, resync_seconds=args.resync_seconds,
+        gang_pass=None if args.no_gang_scheduler else gang_pass, namespaces=namespaces, workers=args.workers,
+        resync_seconds=args.resync_seconds,
         collector_period=args.collect_seconds, gang_interval=args.schedule_interval_seconds,
     )
+    if not args.no_gang_scheduler:
+        view = CachedCluster(kube, manager.cache, namespaces,
+                             store=lambda kind, obj: manager.store_own(kind, obj, GANG_PASS))
+        scheduler = GangScheduler(kube, namespaces, interval=args.schedule_interval_seconds, view=view,
+                                  write_concurrency=args.gang_write_concurrency)
     elector = None
     if args.no_leader_election:
         manager.start_leading()

@@ -54,7 +54,8 @@ class Operator:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenfleet_cli", "operator", "-n", self.namespace,
-             f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}", "--resync-seconds=3",
+             f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}",
+             "--resync-seconds=3", "--replica-key-check-seconds=3",
              f"--identity={self.identity}", f"--lease-name={self.lease}", f"--lease-namespace={OPERATOR_NAMESPACE}",
              *self.extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,

@@ -37,7 +37,16 @@ from tokenfleet_operator.controller.cache import ObjectCache
 from tokenfleet_operator.controller.collector import Collector
 from tokenfleet_operator.controller.errors import InvalidSpec, RetryLater
 from tokenfleet_operator.controller.reads import Check, Fingerprint, RecordingCache, RecordingCollector
-from tokenfleet_operator.controller.triggers import GANG_PASS, RESYNC, Key, changes_placement, is_gang_slice, pvc_claim, triggers
+from tokenfleet_operator.controller.triggers import (
+    GANG_PASS,
+    PLACEMENT_FILTERED,
+    RESYNC,
+    Key,
+    changes_placement,
+    is_gang_slice,
+    pvc_claim,
+    triggers,
+)
 from tokenfleet_operator.controller.workqueue import WorkQueue
 from tokenfleet_operator.gang.waiting import gang_work_waiting
 from tokenfleet_operator.kube import Kube, KubeError
@@ -63,6 +72,9 @@ CLUSTER_SCOPED = {"SliceQueue", "Node"}
 # A periodic gang pass with nothing waiting is skipped (gang/waiting.py); a full one runs at least this often.
 GANG_FULL_PASS_SECONDS = 60.0
 
+# A gang pass starts no sooner after the last one than that one spent computing, up to this.
+GANG_MAX_GAP_SECONDS = 5.0
+
 # kind -> labels its cached objects are indexed by
 CACHE_INDEXES = {
     "Slice": (SERVICE_LABEL,),
@@ -84,7 +96,7 @@ class Context:
     collector: Collector
     key: Key
     gang_scheduling: bool
-    _note_write: Callable[[str, dict[str, Any], Key], None]
+    _note_write: Callable[[str, dict[str, Any], Key, dict[str, Any] | None], None]
     _again: Callable[[Key], None]
     memory: ServiceMemory = field(default_factory=ServiceMemory)   # this key's memory across passes (leader only)
     checks: list[Check] = field(default_factory=list)
@@ -103,7 +115,7 @@ class Context:
         if obj:
             obj.setdefault("kind", kind)
             self.cache.store(kind, obj)
-            self._note_write(kind, obj, self.key)
+            self._note_write(kind, obj, self.key, before)
             if before is not None and not _untouched_by_others(before, obj, part):
                 self._again(self.key)
         return obj
@@ -157,6 +169,7 @@ class Manager:
         self.clock = clock
         self._gang_news = True               # the first pass of a leader is a full one
         self._last_full_pass: float | None = None
+        self._gang_ready_at = float("-inf")   # no gang pass starts before this (clock)
         self.cache = ObjectCache(CACHE_INDEXES)
         self.queue = WorkQueue("reconcile", on_wait=lambda name, s: metrics.QUEUE_WAIT.observe(s))
         self.collector = Collector(self.cache, on_change=self._measured, period=collector_period)
@@ -164,7 +177,8 @@ class Manager:
         self._workers = workers
         self._threads: list[threading.Thread] = []
         self._writes_lock = threading.Lock()
-        self._own_writes: dict[tuple[str, str | None, str], tuple[int, Key]] = {}
+        # (kind, namespace, name) -> (resourceVersion, the writer's key, whether the write moved what placement reads)
+        self._own_writes: dict[tuple[str, str | None, str], tuple[int, Key, bool]] = {}
         self._memory: dict[Key, ServiceMemory] = {}
         self._asked_lock = threading.Lock()
         self._asked: dict[Key, int] = {}           # key -> how many times something asked for it
@@ -175,16 +189,16 @@ class Manager:
     def observe(self, kind: str, event_type: str | None, obj: dict[str, Any]) -> None:
         """One watch event (Kopf's): update the cache, queue what it asks for."""
         old = None
-        if kind in ("Node", "Pod") and event_type != "DELETED":
+        if kind in PLACEMENT_FILTERED and event_type != "DELETED":
             meta = obj.get("metadata") or {}
             old = self.cache.get(kind, meta.get("namespace"), meta.get("name", ""))
             if old is not None and (old.get("metadata") or {}).get("resourceVersion") == meta.get("resourceVersion"):
-                old = None       # the echo of an own write, stored before its event: what it changed is unknown
+                old = None       # the echo of an own write, stored before its event: the write noted what it moved
         changed = self.cache.observe(kind, event_type, obj)
         # The echo of a write is no change to the cache (the write's result is stored at once), but it is news
         # to every key the event concerns except the writer: a Slice an InferenceService created must be
         # reconciled itself, and a Slice's status write must reach its InferenceService.
-        writer = self._writer_of(kind, obj, forget=True)
+        writer, moved = self._writer_of(kind, obj, forget=True)
         if not changed and writer is None:
             return
         if kind == "Slice" and event_type != "DELETED" and (obj.get("spec") or {}).get("role") == "batch" \
@@ -203,8 +217,9 @@ class Manager:
         for key in keys:
             if key == writer:
                 continue                 # the echo of a key's own write: nothing new for it
-            if key == GANG_PASS and event_type != "DELETED" and not changes_placement(kind, old, obj):
-                continue                 # a heartbeat, a pod's readiness: no capacity moved
+            if key == GANG_PASS and event_type != "DELETED" and not (
+                    moved if writer is not None else changes_placement(kind, old, obj)):
+                continue                 # a heartbeat, a pod's readiness, a Slice's Ready condition: nothing placement reads
             self.triggers_seen += 1
             metrics.TRIGGERS.labels(kind=key[0]).inc()
             if key == GANG_PASS:
@@ -212,6 +227,14 @@ class Manager:
                 self.queue.add_after(key, 0.05)     # let a burst of member-pod events settle into one pass
             else:
                 self._ask(key)
+
+    def store_own(self, kind: str, obj: dict[str, Any], writer: Key) -> None:
+        """What a write outside a reconcile's Context returned (the gang pass's decisions): into the cache at
+        once, and remembered as ``writer``'s own, so its watch event queues every other key it concerns."""
+        meta = obj.get("metadata") or {}
+        before = self.cache.get(kind, meta.get("namespace"), meta.get("name", ""))
+        self.cache.store(kind, obj)
+        self._note_write(kind, obj, writer, before)
 
     def _ask(self, key: Key) -> None:
         """Queue a key because something may have changed for it: its next pass runs in full."""
@@ -224,31 +247,35 @@ class Manager:
         with self._asked_lock:
             return self._asked.get(key, 0)
 
-    def _note_write(self, kind: str, obj: dict[str, Any], writer: Key) -> None:
+    def _note_write(self, kind: str, obj: dict[str, Any], writer: Key, before: dict[str, Any] | None = None) -> None:
+        """Remember a write by ``writer``; ``before``: the object as cached before it (None: a new one), to
+        tell whether the write changed anything the gang pass reads, which its echo then reports."""
         meta = obj.get("metadata") or {}
         try:
             rv = int(meta.get("resourceVersion"))
         except (TypeError, ValueError):
             return
+        moved = changes_placement(kind, before, obj)
         with self._writes_lock:
-            self._own_writes[(kind, meta.get("namespace"), meta.get("name", ""))] = (rv, writer)
+            self._own_writes[(kind, meta.get("namespace"), meta.get("name", ""))] = (rv, writer, moved)
 
-    def _writer_of(self, kind: str, obj: dict[str, Any], *, forget: bool = False) -> Key | None:
-        """The key whose own write this event reports, if it does (``forget``: and this was its echo, which
-        comes once: a later event of the same resourceVersion, as after a relist, is no news to anyone)."""
+    def _writer_of(self, kind: str, obj: dict[str, Any], *, forget: bool = False) -> tuple[Key | None, bool]:
+        """The key whose own write this event reports, if it does, and whether that write moved what the gang
+        pass reads (``forget``: and this was its echo, which comes once: a later event of the same
+        resourceVersion, as after a relist, is no news to anyone)."""
         meta = obj.get("metadata") or {}
         name = (kind, meta.get("namespace"), meta.get("name", ""))
         with self._writes_lock:
             written = self._own_writes.get(name)
             if written is None:
-                return None
+                return None, True
             try:
                 echo = int(meta.get("resourceVersion")) == written[0]
             except (TypeError, ValueError):
-                return None
+                return None, True
             if echo and forget:
                 del self._own_writes[name]
-        return written[1] if echo else None
+        return (written[1], written[2]) if echo else (None, True)
 
     def _measured(self, key: Key) -> None:
         """The collector read a new value: the owner's status should show it."""
@@ -334,13 +361,21 @@ class Manager:
         if key == RESYNC:
             self._resync()
             return
+        if key == GANG_PASS and (wait := self._gang_ready_at - self.clock()) > 0:
+            self.queue.add_after(GANG_PASS, wait)      # the last pass's planning time has not passed yet
+            return
         started = time.monotonic()
         result = "ok"
         try:
             if key == GANG_PASS:
                 assert self.gang_pass is not None
                 if self._gang_pass_due():
-                    self.queue.add_after(GANG_PASS, self.gang_pass())
+                    cpu = time.thread_time()
+                    interval = self.gang_pass()
+                    # As long again as this pass computed (not the time its writes waited) before the next one,
+                    # so that passes during a burst of events take at most half of the operator's CPU.
+                    self._gang_ready_at = self.clock() + min(time.thread_time() - cpu, GANG_MAX_GAP_SECONDS)
+                    self.queue.add_after(GANG_PASS, interval)
                 else:
                     result = "skipped"
                     self.queue.add_after(GANG_PASS, self.gang_interval)

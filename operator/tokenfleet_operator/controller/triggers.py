@@ -13,8 +13,9 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
 - a PersistentVolumeClaim: the services that load their model from it (found by the caller, who has the
   cache: ``pvc_claim``).
 
-An update of a Node or a Pod asks for the gang pass only if it changed what placement reads
-(``changes_placement``): a node's heartbeat or a pod's readiness does not move any capacity.
+An update of a Node, a Pod or a Slice asks for the gang pass only if it changed what placement reads
+(``changes_placement``): a node's heartbeat, a pod's readiness or a Slice's Ready condition moves no
+capacity and queues nothing.
 """
 from __future__ import annotations
 
@@ -72,11 +73,29 @@ def _pod_placement(pod: dict[str, Any]) -> tuple[Any, ...]:
             bool(meta.get("deletionTimestamp")), (meta.get("labels") or {}).get(SLICE_LABEL))
 
 
+def _slice_placement(obj: dict[str, Any]) -> tuple[Any, ...]:
+    """What the gang pass reads of a Slice (``gang/plan.py``): its spec, whether it is being deleted, the
+    scheduler's decision, and the status fields that say which attempt runs and since when it waits."""
+    from tokenfleet_operator.gang.decision import ANNOTATION
+
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    admission = status.get("admission") or {}
+    return (meta.get("uid"), obj.get("spec"), bool(meta.get("deletionTimestamp")),
+            (meta.get("annotations") or {}).get(ANNOTATION), status.get("phase"), status.get("revision"),
+            status.get("restarts"), admission.get("queuedAt"), admission.get("admittedAt"))
+
+
+# kinds whose updates are filtered by ``changes_placement``
+PLACEMENT_FILTERED = ("Node", "Pod", "Slice")
+
+
 def changes_placement(kind: str, old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     """Whether the update from ``old`` (None: not seen before) to ``new`` can change the gang pass's plan.
-    Only Nodes and Pods are filtered; every other kind counts as a change."""
-    if old is None:
+    Nodes, Pods and Slices are filtered; every other kind counts as a change."""
+    if old is None or kind not in PLACEMENT_FILTERED:
         return True
+    if kind == "Slice":
+        return _slice_placement(old) != _slice_placement(new)
     if kind == "Node":
         from tokenfleet_operator.gang.snapshot import node_from_object  # the placement's own view of a Node
         return node_from_object(old) != node_from_object(new)

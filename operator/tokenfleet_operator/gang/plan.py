@@ -22,6 +22,7 @@ none is bound.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,6 +41,7 @@ from tokenfleet_operator.gang.snapshot import (
     holds_capacity,
     member_accelerators,
     node_from_object,
+    per_spec,
     queue_from_object,
     slice_key,
     slice_request,
@@ -135,6 +137,13 @@ class _Gang:
     state: str = NOT_GANG
 
 
+def _validated(obj: dict[str, Any]) -> SliceSpec | None:
+    try:
+        return SliceSpec.model_validate(obj.get("spec") or {})
+    except ValidationError:
+        return None
+
+
 def _member(pod: dict[str, Any]) -> int | None:
     value = (pod["metadata"].get("labels") or {}).get(MEMBER_LABEL, "")
     return int(value) if value.isdigit() else None
@@ -143,7 +152,7 @@ def _member(pod: dict[str, Any]) -> int | None:
 def classify(obj: dict[str, Any], spec: SliceSpec | None, pods: list[dict[str, Any]]) -> str:
     """The state of one Slice, from its own member pods."""
     # Whether a host path is allowed is the Slice controller's business (such a Slice has no pods to place).
-    if spec is None or spec.accelerator.type == "cpu" or check_slice(spec, ANY_HOST_PATH):
+    if spec is None or spec.accelerator.type == "cpu" or per_spec(obj, "blocked", lambda: bool(check_slice(spec, ANY_HOST_PATH))):
         return NOT_GANG
     if obj["metadata"].get("deletionTimestamp") or (obj.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
         return NOT_GANG if not any(holds_capacity(p) for p in pods) else RUNNING
@@ -159,7 +168,7 @@ def classify(obj: dict[str, Any], spec: SliceSpec | None, pods: list[dict[str, A
     if len(live) != len(pods):
         return SETTLING  # something is terminating or finished
     status = obj.get("status") or {}
-    revision = slice_revision(spec)
+    revision = per_spec(obj, "revision", lambda: slice_revision(spec))
     attempt = int(status.get("restarts", 0)) if status.get("revision") == revision else 0
     members = sorted(m for m in (_member(p) for p in live) if m is not None)
     current = all((p["metadata"].get("labels") or {}).get(REVISION_LABEL) == revision
@@ -204,10 +213,7 @@ def plan_pass(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], slices: l
 
     gangs: dict[str, _Gang] = {}
     for obj in sorted(slices, key=slice_key):
-        try:
-            spec: SliceSpec | None = SliceSpec.model_validate(obj.get("spec") or {})
-        except ValidationError:
-            spec = None
+        spec = per_spec(obj, "spec", partial(_validated, obj))
         members = _members_of(obj, pods_by_slice)
         gang = _Gang(obj, spec, members, classify(obj, spec, members))
         gangs[slice_key(obj)] = gang

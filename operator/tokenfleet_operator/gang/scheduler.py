@@ -5,11 +5,12 @@ scheduler leaves them alone. The operator's work queue runs a pass (``run_pass``
 pod, a Node or a SliceQueue changes, coalescing bursts, and at least every ``interval`` seconds. The queue
 runs one pass at a time, and only the leader replica works the queue, so only one pass ever binds. Each pass
 
-1. lists Nodes, all Pods, the Slices served and the SliceQueues with quorum reads (not the cache: the binds
-   of the previous pass are always visible, so no "assumed" state is kept between passes);
+1. reads Nodes, Pods, Slices and SliceQueues from its ``ClusterView`` (``cluster_view.py``: in the operator,
+   the watch cache with the pass's own binds and deletions laid over it until the watch shows them);
 2. computes the plan with the pure ``plan.plan_pass``;
 3. rolls back partially bound Slices, evicts preemption victims, and binds each placed Slice member by
-   member through the Binding API. If any bind fails, every member of that Slice is deleted in the same pass
+   member through the Binding API (different Slices in parallel, ``write_concurrency`` at once; the pass waits
+   for every one). If any bind fails, every member of that Slice is deleted in the same pass
    (they are made again, unbound, by the Slice controller) and it is retried in the next pass. So a Slice is
    never left partly bound past one pass, and two Slices never take the same capacity;
 4. writes each Slice's decision (placed, or why it waits) to the Slice as an annotation
@@ -20,10 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
+from tokenfleet_operator.gang.cluster_view import ClusterView, ListedCluster
 from tokenfleet_operator.gang.decision import ANNOTATION, GangDecision
 from tokenfleet_operator.gang.plan import Bind, PassPlan, PodRef, plan_pass
 from tokenfleet_operator.kube import Kube, KubeError
@@ -31,6 +34,11 @@ from tokenfleet_operator.kube import Kube, KubeError
 log = logging.getLogger("tokenfleet.gang")
 
 DECISION_MANAGER = "tokenfleet-gang-scheduler"
+# The pass's writes (each Slice's binds, then each changed decision) go out this many at once by default. Each
+# write waits on the API server, not on this process, so a pass that places hundreds of Slices is bound by
+# the round trip of one request unless several are in flight. A Slice's own members are bound one after
+# another, so its all-or-nothing rollback holds.
+WRITE_CONCURRENCY = 8
 
 
 def _slice_ref(namespace: str, name: str) -> dict[str, Any]:
@@ -40,34 +48,23 @@ def _slice_ref(namespace: str, name: str) -> dict[str, Any]:
 class GangScheduler:
     def __init__(self, kube: Kube, namespaces: list[str] | None, *, interval: float = 5.0,
                  clock: Callable[[], float] = time.time,
-                 before_bind: Callable[[Bind, PodRef, str], None] | None = None):
+                 before_bind: Callable[[Bind, PodRef, str], None] | None = None, view: ClusterView | None = None,
+                 write_concurrency: int = WRITE_CONCURRENCY):
         self.kube = kube
         self.namespaces = namespaces
+        self.view: ClusterView = view or ListedCluster(kube, namespaces)
         self.interval = interval
         self.clock = clock
         self.before_bind = before_bind  # tests use it to make a bind fail between plan and bind
         self._waiting_keys: set[tuple[str, str]] = set()   # (queue, reason) pairs exported so far
         self._queues_seen: set[str] = set()
         self._timeout_queues: set[str] = set()
-
-    def _snapshot(self) -> tuple[list, list, list, list]:
-        nodes = self.kube.list_cluster("v1", "Node")
-        pods = self.kube.list_cluster("v1", "Pod", field_selector="status.phase!=Succeeded,status.phase!=Failed")
-        if self.namespaces:
-            slices = [s for ns in self.namespaces for s in self.kube.list(API_VERSION, "Slice", ns)]
-        else:
-            slices = self.kube.list_cluster(API_VERSION, "Slice")
-        try:
-            queues = self.kube.list_cluster(API_VERSION, "SliceQueue")
-        except KubeError as e:
-            if e.status != 404:
-                raise
-            queues = []  # the SliceQueue CRD is not installed: only the implicit 'default' queue exists
-        return nodes, pods, slices, queues
+        self._writers = ThreadPoolExecutor(max(1, write_concurrency), thread_name_prefix="tokenfleet-gang-write")
 
     def run_pass(self) -> PassPlan:
         started = time.perf_counter()
-        nodes, pods, slices, queues = self._snapshot()
+        snap = self.view.snapshot()
+        nodes, pods, slices, queues = snap.nodes, snap.pods, snap.slices, snap.queues
         listed = time.perf_counter()
         plan = plan_pass(nodes, pods, slices, queues, now=self.clock())
         planned = time.perf_counter()
@@ -88,8 +85,8 @@ class GangScheduler:
             self._delete_members(eviction.namespace, eviction.pods)
             new[eviction.victim] = GangDecision(False, "Preempted", f"evicted for higher-priority Slice {eviction.preemptor}",
                                                 preempted_by=eviction.preemptor)
-        for bind in plan.binds:
-            new[bind.slice_key] = self._bind(bind)
+        for bind, decision in zip(plan.binds, self._writers.map(self._bind, plan.binds)):
+            new[bind.slice_key] = decision
         bound = time.perf_counter()
         for key, wait in plan.waiting.items():
             decision = GangDecision(False, wait.code, wait.message, wait.requeues, wait.requeue_at)
@@ -100,9 +97,8 @@ class GangScheduler:
             new.setdefault(key, decision)
         # A victim keeps its eviction decision (and its preemptor) until it queues again: then it is
         # pending, and the pass's waiting or bind decision replaces it.
-        for key, decision in new.items():
-            if key in by_key and decision != old.get(key):
-                self._write_decision(by_key[key], decision)
+        changed = [(by_key[key], decision) for key, decision in new.items() if key in by_key and decision != old.get(key)]
+        list(self._writers.map(lambda change: self._write_decision(*change), changed))
         self._write_queue_status(plan, queues)
         for queue, count in plan.pending_by_queue.items():
             metrics.SLICES_PENDING.labels(queue=queue).set(count)
@@ -148,6 +144,7 @@ class GangScheduler:
                 if self.before_bind:
                     self.before_bind(bind, pod, node)
                 self.kube.bind(bind.namespace, pod.name, node, uid=pod.uid)
+                self.view.bound(pod.uid, node)
                 done.append(pod)
             except KubeError as e:
                 self._delete_members(bind.namespace, tuple(p for p, _ in bind.members))
@@ -167,7 +164,8 @@ class GangScheduler:
         meta = obj["metadata"]
         patch = {"metadata": {"annotations": {ANNOTATION: decision.to_annotation()}}}
         try:
-            self.kube.patch(API_VERSION, "Slice", meta["namespace"], meta["name"], patch, field_manager=DECISION_MANAGER)
+            self.view.wrote("Slice", self.kube.patch(API_VERSION, "Slice", meta["namespace"], meta["name"], patch,
+                                                     field_manager=DECISION_MANAGER))
         except KubeError as e:
             if e.status != 404:
                 log.warning("could not record the gang decision on Slice %s/%s: %s", meta["namespace"], meta["name"], e)
@@ -176,6 +174,7 @@ class GangScheduler:
         for pod in pods:
             try:
                 self.kube.delete("v1", "Pod", namespace, pod.name, uid=pod.uid)
+                self.view.deleted(pod.uid)
             except KubeError as e:
                 log.warning("could not delete %s/%s: %s", namespace, pod.name, e)
 
@@ -189,6 +188,6 @@ class GangScheduler:
                 continue
             body = {"apiVersion": API_VERSION, "kind": "SliceQueue", "metadata": {"name": name}, "status": status}
             try:
-                self.kube.apply(body, subresource="status")
+                self.view.wrote("SliceQueue", self.kube.apply(body, subresource="status"))
             except KubeError as e:
                 log.warning("could not write status of SliceQueue %s: %s", name, e)

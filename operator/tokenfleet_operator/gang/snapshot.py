@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.api.slice_queue import DEFAULT_QUEUE, SliceQueueSpec
@@ -18,6 +19,8 @@ from tokenfleet_operator.conditions import parse_rfc3339
 from tokenfleet_operator.gang.placement import BoundPod, Node, Queue, SliceRequest, Taint, Toleration
 from tokenfleet_operator.gang.placement.requeue import DEFAULT_BASE_SECONDS, DEFAULT_CAP_SECONDS, requeue_delay
 from tokenfleet_operator.naming import ACCELERATOR_NODE_LABEL
+
+T = TypeVar("T")
 
 # The quota of the implicit default queue: no limit in practice.
 UNLIMITED = 10**12
@@ -98,6 +101,33 @@ def pod_requests(pod: dict[str, Any]) -> dict[str, int]:
     return pod_spec_requests(pod.get("spec") or {})
 
 
+_SPEC_MEMO: dict[tuple[str, str, Any], Any] = {}
+_SPEC_MEMO_LIMIT = 50_000
+
+
+def per_spec(obj: dict[str, Any], what: str, compute: Callable[[], T], *, version: str = "generation") -> T:
+    """``compute()``, a pure function of the object's spec, remembered per (uid, generation): the API server
+    bumps a custom resource's generation with every spec change, so a pass over thousands of unchanged Slices
+    validates and measures each spec once, not once per pass. ``version="resourceVersion"`` for kinds whose
+    generation does not cover what is computed (a pod's resources). Objects without both (the pure tests'
+    dicts) are computed every time; an exception is never remembered."""
+    meta = obj.get("metadata") or {}
+    uid, generation = meta.get("uid"), meta.get(version)
+    if not uid or generation is None or isinstance(generation, bool):
+        return compute()
+    key = (what, uid, generation)
+    try:
+        value: T = _SPEC_MEMO[key]
+        return value
+    except KeyError:
+        pass
+    value = compute()
+    if len(_SPEC_MEMO) >= _SPEC_MEMO_LIMIT:
+        _SPEC_MEMO.clear()
+    _SPEC_MEMO[key] = value
+    return value
+
+
 def member_accelerators(spec: SliceSpec) -> int:
     """Accelerators one member pod of the Slice holds: countPerHost in the main container (the operator sets
     it there) plus whatever the template's other containers and init containers request of the same
@@ -119,7 +149,8 @@ def holds_capacity(pod: dict[str, Any]) -> bool:
 
 
 def bound_pod(pod: dict[str, Any], gang: str | None) -> BoundPod:
-    return BoundPod(node=pod["spec"]["nodeName"], requests=pod_requests(pod), gang=gang)
+    return BoundPod(node=pod["spec"]["nodeName"], requests=per_spec(pod, "requests", lambda: pod_requests(pod),
+                                                                    version="resourceVersion"), gang=gang)
 
 
 def tolerations_of(pod_spec: dict[str, Any]) -> tuple[Toleration, ...]:
@@ -140,7 +171,7 @@ def slice_request(obj: dict[str, Any], spec: SliceSpec, created: float) -> Slice
     pod_spec = spec.template.spec
     selector = dict(pod_spec.get("nodeSelector") or {})
     selector[ACCELERATOR_NODE_LABEL] = spec.accelerator.type
-    per_host = member_accelerators(spec)
+    per_host = per_spec(obj, "per_host", lambda: member_accelerators(spec))
     # spec.topology describes countPerHost per host; when other containers add accelerators, only its host
     # count still holds (both forms ask the placer for the same run of consecutive host indices).
     topology = spec.topology if per_host == spec.accelerator.count_per_host or spec.topology is None else str(spec.hosts)
@@ -152,7 +183,7 @@ def slice_request(obj: dict[str, Any], spec: SliceSpec, created: float) -> Slice
         topology=topology,
         domain_label=spec.topology_key,
         node_selector=selector,
-        tolerations=tolerations_of(pod_spec),
+        tolerations=per_spec(obj, "tolerations", lambda: tolerations_of(pod_spec)),
         priority=spec.priority,
         queue=spec.queue,
         created=created,
@@ -195,6 +226,11 @@ def default_queue(resources: set[str]) -> QueueConfig:
 def timestamp(text: str | None) -> float | None:
     if not text:
         return None
+    if len(text) == 20 and text[10] == "T" and text[19] == "Z":    # the API server's form: the fast path
+        try:
+            return dt.datetime.fromisoformat(text[:19]).replace(tzinfo=dt.UTC).timestamp()
+        except ValueError:
+            return None
     try:
         return parse_rfc3339(text).timestamp()
     except ValueError:

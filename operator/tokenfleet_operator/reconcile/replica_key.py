@@ -3,8 +3,9 @@
 The operator may create Secrets and nothing else with them (RBAC: ``create`` only), so it never reads a key,
 not even its own, and a compromised operator cannot list the cluster's Secrets. "Does the Secret exist?" is
 asked by creating it: 201 made a new key, 409 means it is there. That question costs a request, so it is
-asked once per service when the operator starts leading and then at most every ``check_seconds`` (the
-resync period): a Secret someone deleted is made anew within that time.
+asked once per service when the operator starts leading and then at most every ``check_seconds``
+(``--replica-key-check-seconds``, 300 by default, apart from the resync period): a Secret someone deleted is
+made anew within that time.
 
 The key's identity is the Secret's uid (no secret in it). It goes into the router's and the replicas' pod
 templates (``builders.auth.REPLICA_KEY_ANNOTATION``), so a new key rolls both. After a restart of the operator

@@ -142,6 +142,34 @@ def test_freed_capacity_admits_the_next_slice_in_priority_order(cluster, namespa
     wait_for("low Ready", lambda: phase_is(cluster, namespace, "low", "Ready"), 60, operator)
 
 
+def test_pods_the_operator_does_not_watch_still_hold_their_accelerators(cluster, namespace, pool, operator):
+    """The pass reads tokenfleet's pods from the watch cache and lists the rest from the API server's watch
+    cache (resourceVersion=0): a plain pod anywhere, and a tokenfleet-labelled pod in a namespace this operator
+    does not serve, each holding one node's 8 GPUs, keep a 2-node gang out until they are gone."""
+    other = f"hogs-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", other)
+
+    def hog(name, node, labels):
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                "spec": {"nodeName": node, "containers": [{"name": "c", "image": FAKE_IMAGE, "resources": {
+                    "requests": {"nvidia.com/gpu": "8"}, "limits": {"nvidia.com/gpu": "8"}}}]}}
+    try:
+        for name, node, labels in (("plain", pool["nodes"][0], {}),
+                                   ("elsewhere", pool["nodes"][1], {"app.kubernetes.io/managed-by": "tokenfleet"})):
+            apply(cluster, hog(name, node, labels), other)
+        apply(cluster, gang("blocked", pool["accel"]), namespace)
+        wait_for("the gang waits for capacity", lambda: condition(slice_obj(cluster, namespace, "blocked"), "Admitted")
+                 .get("reason") == "InsufficientCapacity", 60, operator)
+        cluster.kubectl("delete", "pod", "plain", "-n", other, "--grace-period=0", "--force")
+        for _ in range(4):          # one node free is not enough for two members
+            assert bound(members(cluster, namespace, "blocked")) == []
+            time.sleep(1)
+        cluster.kubectl("delete", "pod", "elsewhere", "-n", other, "--grace-period=0", "--force")
+        wait_for("the gang placed once both are gone", lambda: phase_is(cluster, namespace, "blocked", "Ready"), 60, operator)
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
 def test_operator_metrics_report_admission_wait_pending_and_pass_duration(cluster, namespace, pool, operator):
     import urllib.request
 

@@ -72,11 +72,15 @@ def test_a_child_event_queues_its_owner_and_a_standby_queues_nothing():
     m.observe("Slice", "ADDED", gang)
     assert m.queue.get(0) is None and m.cache.get("Slice", "ns", "a-0") is not None   # cached, not queued
     m.leading.set()
-    gang2 = {**gang, "metadata": {**gang["metadata"], "resourceVersion": "4"}}
+    gang2 = {**gang, "metadata": {**gang["metadata"], "resourceVersion": "4"}, "spec": {**gang["spec"], "hosts": 2}}
     m.observe("Slice", "MODIFIED", gang2)
     queued = {m.queue.get(0), m.queue.get(0)}
     assert queued == {("Slice", "ns", "a-0"), ("InferenceService", "ns", "a")}
     assert GANG_PASS in m.queue._due                                 # the gang pass, after a short settle
+    m.queue._due.clear()
+    m.observe("Slice", "MODIFIED", {**gang2, "metadata": {**gang2["metadata"], "resourceVersion": "5"},
+                                    "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    assert GANG_PASS not in m.queue._due                             # nothing placement reads changed
 
 
 def test_a_pvc_event_queues_the_services_that_wait_for_it():
@@ -278,3 +282,46 @@ def test_a_pass_that_asked_for_a_timed_follow_up_or_failed_is_never_skipped():
     m.process(key)
     assert calls == ["a", "a", "a", "a", "a"]             # settled: the next one is skipped
 
+
+
+def test_the_echo_of_a_slice_status_write_asks_for_the_gang_pass_only_if_it_moved_what_placement_reads():
+    """The Slice controller writes a Slice's status many times (conditions, counts); only a write that changes
+    what the gang pass reads (phase, attempt, admission times) queues a pass when its echo comes back."""
+    statuses = iter([{"phase": "Placing", "admission": {"queuedAt": "2026-01-01T00:00:00Z"}},
+                     {"phase": "Placing", "admission": {"queuedAt": "2026-01-01T00:00:00Z"}, "readyHosts": 1},
+                     {"phase": "Failed", "admission": {"queuedAt": "2026-01-01T00:00:00Z"}, "readyHosts": 1}])
+
+    def reconcile(ctx, ns, name):
+        ctx.apply_status(ctx.cache.get("Slice", ns, name), next(statuses))
+        return None
+
+    m = Manager(StatusWriter(), {"Slice": reconcile}, gang_pass=lambda: 5.0)
+    m.leading.set()
+    gang = {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice",
+            "metadata": {"name": "s", "namespace": "ns", "uid": "u", "resourceVersion": "1"},
+            "spec": {"hosts": 1, "accelerator": {"type": "nvidia-h100-80gb"}}}
+    echoes = []
+    m.observe("Slice", "ADDED", gang)
+    for _ in range(3):
+        m.queue._due.clear()
+        assert drain(m) == [("Slice", "ns", "s")]
+        m.observe("Slice", "MODIFIED", m.cache.get("Slice", "ns", "s"))     # the echo of the status write
+        echoes.append(GANG_PASS in m.queue._due)
+        m.queue.add(("Slice", "ns", "s"))
+    assert echoes == [True, False, True]
+
+
+def test_the_gang_passs_own_decision_reaches_the_slice_but_does_not_queue_another_pass():
+    from tokenfleet_operator.gang.decision import ANNOTATION, GangDecision
+    m = Manager(StatusWriter(), {"Slice": lambda ctx, ns, name: None}, gang_pass=lambda: 5.0)
+    m.leading.set()
+    gang = {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice",
+            "metadata": {"name": "s", "namespace": "ns", "uid": "u", "resourceVersion": "1"},
+            "spec": {"hosts": 1, "accelerator": {"type": "nvidia-h100-80gb"}}}
+    m.cache.store("Slice", gang)
+    decided = {**gang, "metadata": {**gang["metadata"], "resourceVersion": "2",
+                                    "annotations": {ANNOTATION: GangDecision(True, "Placed", "ok").to_annotation()}}}
+    m.store_own("Slice", decided, GANG_PASS)
+    assert m.cache.get("Slice", "ns", "s")["metadata"]["resourceVersion"] == "2"   # in the cache before its event
+    m.observe("Slice", "MODIFIED", decided)
+    assert drain(m) == [("Slice", "ns", "s")] and GANG_PASS not in m.queue._due

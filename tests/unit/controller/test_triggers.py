@@ -49,4 +49,35 @@ def test_only_updates_that_move_capacity_or_binding_ask_for_the_gang_pass():
     assert not changes_placement("Pod", member("n1", "Running", "False"), member("n1", "Running", "True"))  # ready
     assert changes_placement("Pod", member("n1", "Running"), member("n1", "Failed"))        # frees its node
     assert changes_placement("Pod", member("n1", "Running"), member("n1", "Running", deleting=True))
-    assert changes_placement("Slice", {"metadata": {}}, {"metadata": {}})                  # other kinds: always
+    assert changes_placement("SliceQueue", {"metadata": {}}, {"metadata": {}})             # other kinds: always
+
+
+def test_a_slice_update_asks_for_the_gang_pass_only_when_it_changes_what_placement_reads():
+    from tokenfleet_operator.controller.triggers import changes_placement
+    from tokenfleet_operator.gang.decision import ANNOTATION, GangDecision
+
+    def gang(**status):
+        return {"metadata": {"name": "s", "namespace": "ns", "uid": "u1", "generation": 1},
+                "spec": {"hosts": 2, "accelerator": {"type": "nvidia-h100-80gb"}},
+                "status": {"phase": "Placing", "revision": "r1", "restarts": 0,
+                           "admission": {"queuedAt": "2026-01-01T00:00:00Z"}, **status}}
+    base = gang()
+    ready = gang(conditions=[{"type": "Ready", "status": "True"}], readyHosts=2, observedGeneration=1)
+    assert not changes_placement("Slice", base, ready)                  # conditions, counts: nothing placement reads
+    assert changes_placement("Slice", base, gang(phase="Failed"))         # frees its members' capacity
+    assert changes_placement("Slice", base, gang(restarts=1))             # a new attempt
+    assert changes_placement("Slice", base, gang(revision="r2"))
+    assert changes_placement("Slice", base, gang(admission={"queuedAt": "2026-01-01T00:00:00Z",
+                                                            "admittedAt": "2026-01-01T00:00:05Z"}))
+    respec = gang()
+    respec["spec"] = {**respec["spec"], "hosts": 3}
+    assert changes_placement("Slice", base, respec)
+    deleting = gang()
+    deleting["metadata"] = {**deleting["metadata"], "deletionTimestamp": "2026-01-01T00:01:00Z"}
+    assert changes_placement("Slice", base, deleting)
+    decided = gang()
+    decided["metadata"] = {**decided["metadata"], "annotations": {ANNOTATION: GangDecision(True, "Placed", "ok").to_annotation()}}
+    assert changes_placement("Slice", base, decided)
+    noted = gang()
+    noted["metadata"] = {**noted["metadata"], "annotations": {"team": "x"}}
+    assert not changes_placement("Slice", base, noted)

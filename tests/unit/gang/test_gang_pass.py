@@ -318,3 +318,30 @@ def test_a_second_container_s_accelerators_count_toward_the_node_and_the_quota()
     plan = plan_pass(two_blocks(), running + filled + members(small, created="2030-01-01T00:00:02Z"),
                      [a, small], [], now=T0_S + 5)
     assert not plan.binds and plan.waiting["ns/small"].code == "InsufficientCapacity"
+
+
+def test_what_a_pass_derives_from_a_spec_is_reused_only_while_its_generation_lasts():
+    """Passes over the cache remember each Slice's validated spec and accelerator count per (uid, generation)
+    and each pod's requests per (uid, resourceVersion); a spec change (a new generation) is read afresh."""
+    s = slice_obj("memo-s", per_host=8)
+    s["metadata"]["generation"] = 1
+    pods = members(s)
+    for p in pods:
+        p["metadata"]["resourceVersion"] = "7"
+    assert [len(b.members) for b in plan_pass(two_blocks(), pods, [s], [], now=T0_S + 1).binds] == [2]
+    s["spec"] = {**s["spec"], "hosts": 3}                # the spec changed without a new generation: the API
+    assert [len(b.members) for b in plan_pass(two_blocks(), pods, [s], [], now=T0_S + 1).binds] == [2]  # never does so
+    s["metadata"]["generation"] = 2                      # with one, the pass reads the new spec
+    plan = plan_pass(two_blocks(), pods, [s], [], now=T0_S + 1)
+    assert not plan.binds                                # 2 members of a 3-host gang: it waits for the third
+    # a pod's requests are remembered per resourceVersion: a resized pod is counted anew
+    hog = other_pod("a0", 8)
+    hog["metadata"]["resourceVersion"] = "1"
+    small = slice_obj("memo-t", hosts=1, per_host=8)
+    small["metadata"]["generation"] = 1
+    plan = plan_pass([node("a0", "a", 0)], [hog, *members(small)], [small], [], now=T0_S + 1)
+    assert not plan.binds
+    hog = {**hog, "metadata": {**hog["metadata"], "resourceVersion": "2"},
+           "spec": {**hog["spec"], "containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": "0"}}}]}}
+    plan = plan_pass([node("a0", "a", 0)], [hog, *members(small)], [small], [], now=T0_S + 1)
+    assert [b.slice_key for b in plan.binds] == ["ns/memo-t"]
