@@ -35,6 +35,7 @@ from .pki import SERVICE_CIDR, Pki, create_pki, node_client_certificate
 # monitor grace period are shortened so node-failure tests take seconds.
 TOLERATION_SECONDS = 5
 NODE_MONITOR_GRACE = "10s"
+NODE_LEASE_SECONDS = 8
 KWOK_POD_CIDR = "127.1.0.0/16"
 RUNNER_POD_CIDR = "127.2.0.0/16"
 
@@ -99,6 +100,13 @@ class LocalCluster:
     # Metadata, one line per finished request); None: no audit log.
     audit_users: list[str] | None = None
     real_node: bool = False       # also run a real kubelet node (realnode.py) beside the KWOK nodes
+    # How long a node may miss its heartbeat before the node controller marks it NotReady (and evicts its pods).
+    # Short for the tests of failure handling; a benchmark that loads the plane's two cores may take
+    # Kubernetes' default instead, so that lagging KWOK heartbeats are not taken for dead nodes.
+    node_monitor_grace: str = NODE_MONITOR_GRACE
+    # KWOK's node Leases last this long and are renewed every quarter of it: 136 nodes at 8 s make 68 Lease
+    # writes a second, more than a 1,000-service benchmark's operator makes; the kubelet's default is 40 s.
+    node_lease_seconds: int = NODE_LEASE_SECONDS
 
     def __post_init__(self):
         self.dir = Path(self.dir).resolve()
@@ -264,7 +272,7 @@ class LocalCluster:
             b("kube-controller-manager"), *common, f"--secure-port={ports['kcm']}",
             f"--root-ca-file={pki.ca_crt}", f"--service-account-private-key-file={pki.sa_key}",
             "--use-service-account-credentials=false",
-            "--node-monitor-period=1s", f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+            "--node-monitor-period=1s", f"--node-monitor-grace-period={self.node_monitor_grace}",
             "--kube-api-qps=200", "--kube-api-burst=400", "--concurrent-gc-syncs=5",
             "--controllers=" + ",".join(["*", *(f"-{c}" for c in DISABLED_CONTROLLERS
                                                 + (() if self.real_node else ENDPOINTS_CONTROLLERS))]),
@@ -277,7 +285,7 @@ class LocalCluster:
         kwok = self._start(state, "kwok", [
             b("kwok"), f"--kubeconfig={kc}", f"--config={stages}",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--node-ip=127.0.0.1", f"--cidr={KWOK_POD_CIDR}", "--node-lease-duration-seconds=8",
+            "--node-ip=127.0.0.1", f"--cidr={KWOK_POD_CIDR}", f"--node-lease-duration-seconds={self.node_lease_seconds}",
             f"--server-address=127.0.0.1:{ports['kwok']}"])
         (self.dir / "logs" / "pod-runner.ready").unlink(missing_ok=True)
         runner = self._start(state, "pod-runner", [

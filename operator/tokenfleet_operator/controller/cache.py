@@ -3,8 +3,8 @@
 Kopf's watch events fill it (``observe``); so do the objects the operator's own writes return (``store``),
 so a pass that runs before the watch event of its own last write already sees that write. An object
 replaces the cached one only if its resourceVersion is not older, so a late watch event never rolls the
-cache back. Reconciles read from here instead of listing from the API server; the gang scheduler, which
-must see its own binds, still lists with quorum reads.
+cache back. Reconciles read from here instead of listing from the API server, and so does the gang pass,
+with its own binds laid over what the watch has delivered (``gang/assumed.py``).
 
 Objects are stored compacted (``compact``): without ``metadata.managedFields`` and kubectl's last-applied
 copy, which no reconcile reads and which are a third of a pod's bytes, and with their keys interned, so that

@@ -72,7 +72,9 @@ CLUSTER_SCOPED = {"SliceQueue", "Node"}
 # A periodic gang pass with nothing waiting is skipped (gang/waiting.py); a full one runs at least this often.
 GANG_FULL_PASS_SECONDS = 60.0
 
-# A gang pass starts no sooner after the last one than that one spent computing, up to this.
+# A gang pass starts no sooner after the last one than GANG_GAP_FACTOR times what that one spent computing,
+# up to GANG_MAX_GAP_SECONDS: during a burst, passes take at most a fifth of the operator's CPU.
+GANG_GAP_FACTOR = 4.0
 GANG_MAX_GAP_SECONDS = 5.0
 
 # kind -> labels its cached objects are indexed by
@@ -171,7 +173,7 @@ class Manager:
         self._last_full_pass: float | None = None
         self._gang_ready_at = float("-inf")   # no gang pass starts before this (clock)
         self.cache = ObjectCache(CACHE_INDEXES)
-        self.queue = WorkQueue("reconcile", on_wait=lambda name, s: metrics.QUEUE_WAIT.observe(s))
+        self.queue = WorkQueue("reconcile", on_wait=lambda name, s: metrics.QUEUE_WAIT.observe(s), first=(GANG_PASS,))
         self.collector = Collector(self.cache, on_change=self._measured, period=collector_period)
         self.leading = threading.Event()
         self._workers = workers
@@ -372,9 +374,10 @@ class Manager:
                 if self._gang_pass_due():
                     cpu = time.thread_time()
                     interval = self.gang_pass()
-                    # As long again as this pass computed (not the time its writes waited) before the next one,
-                    # so that passes during a burst of events take at most half of the operator's CPU.
-                    self._gang_ready_at = self.clock() + min(time.thread_time() - cpu, GANG_MAX_GAP_SECONDS)
+                    # GANG_GAP_FACTOR times as long as this pass computed (not the time its writes waited) before
+                    # the next one, so that passes during a burst of events leave the workers most of the CPU.
+                    self._gang_ready_at = self.clock() + min(GANG_GAP_FACTOR * (time.thread_time() - cpu),
+                                                             GANG_MAX_GAP_SECONDS)
                     self.queue.add_after(GANG_PASS, interval)
                 else:
                     result = "skipped"

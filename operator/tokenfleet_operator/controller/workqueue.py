@@ -5,6 +5,8 @@
   that worker calls ``done``, so its next pass sees everything that happened during the current one.
 - ``add_after`` queues a key once a delay has passed (a requeue, a backoff, a periodic pass); an earlier
   ``add_after`` of the same key wins.
+- Keys in ``first`` (the gang pass) jump the line: they are queued in front of the others, so a burst of
+  thousands of reconciles does not hold back the one pass that binds their pods.
 - ``add_rate_limited`` is a failure's requeue: the delay doubles per consecutive failure of that key (from
   ``base_delay`` to ``max_delay``) until ``forget`` resets it.
 
@@ -18,7 +20,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,9 @@ class ShutDown(Exception):
 class WorkQueue:
     def __init__(self, name: str, *, base_delay: float = 0.5, max_delay: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_wait: Callable[[str, float], None] | None = None):
+                 on_wait: Callable[[str, float], None] | None = None, first: Collection[Key] = ()):
         self.name = name
+        self.first = frozenset(first)
         self.base_delay, self.max_delay = base_delay, max_delay
         self.clock = clock
         self.on_wait = on_wait                  # (queue name, seconds a key waited) when a worker takes it
@@ -69,8 +72,14 @@ class WorkQueue:
         self.stats.adds += 1
         self._dirty[key] = self.clock()
         if key not in self._processing:
+            self._enqueue_locked(key)
+
+    def _enqueue_locked(self, key: Key) -> None:
+        if key in self.first:
+            self._queue.appendleft(key)
+        else:
             self._queue.append(key)
-            self._cond.notify()
+        self._cond.notify()
 
     def add_after(self, key: Key, delay: float) -> None:
         if delay <= 0:
@@ -157,8 +166,7 @@ class WorkQueue:
             self._processing.discard(key)
             self.stats.processed += 1
             if key in self._dirty:                  # added again while it was processed
-                self._queue.append(key)
-                self._cond.notify()
+                self._enqueue_locked(key)
 
     # ---- state --------------------------------------------------------------------
     def __len__(self) -> int:

@@ -4,9 +4,10 @@
 operator's watch cache, with the pass's own binds and deletions laid over them (``assumed.AssumedState``), so
 a pass costs no list of thousands of pods and no memory for a second copy of them. What the cache does not
 hold, pods of other managers (and, when the operator serves only some namespaces, tokenfleet pods outside
-them), is listed with ``resourceVersion=0``: the API server answers from its own watch cache, filtered to pods
-bound to a node and not finished, without a read from etcd. Those pods are placed by other schedulers, which
-race with this one whatever is read, so a view a moment old costs nothing that a quorum read would save.
+them), is listed with ``resourceVersion=0``, at most every ``FOREIGN_MAX_AGE`` seconds: the API server
+answers from its own watch cache, filtered to pods bound to a node and not finished, without a read from
+etcd. Those pods are placed by other schedulers, which race with this one whatever is read, so a view a few
+seconds old costs nothing that a quorum read would save.
 Decisions and SliceQueue status the pass writes go into the cache at once, so the next pass compares with
 what it wrote, not with what the watch has delivered so far.
 
@@ -15,6 +16,7 @@ earlier write is visible and nothing needs to be assumed.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,6 +30,8 @@ from tokenfleet_operator.naming import MANAGED_BY, MANAGED_BY_LABEL
 
 Obj = dict[str, Any]
 BOUND_AND_LIVE = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
+# Other managers' pods are listed at most this often: their schedulers race with this one whatever is read.
+FOREIGN_MAX_AGE = 5.0
 
 
 @dataclass
@@ -79,16 +83,26 @@ class ListedCluster:
 
 class CachedCluster:
     def __init__(self, kube: Kube, cache: ObjectCache, namespaces: list[str] | None, *,
-                 store: Callable[[str, Obj], None], assumed: AssumedState | None = None):
+                 store: Callable[[str, Obj], None], assumed: AssumedState | None = None,
+                 foreign_max_age: float = FOREIGN_MAX_AGE, clock: Callable[[], float] = time.monotonic):
         """``store``: put an object a write returned into the cache (the manager's, which also remembers it
         as the gang pass's own write, so its watch event does not trigger another pass)."""
         self.kube, self.cache, self.namespaces = kube, cache, namespaces
         self.store = store
         self.assumed = assumed or AssumedState()
+        self.clock = clock
+        self.foreign_max_age = foreign_max_age
+        self._foreign: tuple[float, list[Obj]] | None = None
 
     def foreign_pods(self) -> list[Obj]:
         """Bound, unfinished pods the cache does not hold that hold an extended resource (only those can take
-        accelerators from a gang)."""
+        accelerators from a gang). Listed again once the last list is ``foreign_max_age`` seconds old."""
+        now = self.clock()
+        if self._foreign is None or now - self._foreign[0] >= self.foreign_max_age:
+            self._foreign = (now, self._list_foreign())
+        return self._foreign[1]
+
+    def _list_foreign(self) -> list[Obj]:
         queries = [(f"{MANAGED_BY_LABEL}!={MANAGED_BY}", BOUND_AND_LIVE)]
         if self.namespaces:
             outside = ",".join(f"metadata.namespace!={ns}" for ns in self.namespaces)

@@ -264,6 +264,7 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
         for s in existing
     ]
     plan = plan_rollout(name, replicas, children.revision, observed, spec.rollout.max_unavailable)
+    created: list[tuple[int, str]] = []
     for index in plan.apply:
         manifest = children.slices[index]
         slice_name = manifest["metadata"]["name"]
@@ -277,7 +278,10 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
             continue
         metrics.CHILDREN_APPLIED.labels(kind="Slice").inc()
         if is_new:
-            ctx.event(body, "Normal", "SliceCreated", f"created Slice {slice_name} for replica {index}")
+            created.append((index, slice_name))
+    if created:       # one Event per pass, however many replicas it made
+        ctx.event(body, "Normal", "SliceCreated", "created " + ", ".join(
+            f"Slice {slice_name} for replica {index}" for index, slice_name in created))
     for slice_name in plan.delete:
         if slice_name in draining:
             continue                               # drained first (autoscale/drain.py)

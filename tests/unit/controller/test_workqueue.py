@@ -24,6 +24,17 @@ def test_a_waiting_key_is_queued_once_and_order_is_kept():
     assert q.stats.adds == 3 and q.stats.coalesced == 2
 
 
+def test_a_key_of_first_jumps_the_line_also_when_it_comes_back_after_running():
+    q = WorkQueue("t", first=("gang",))
+    for key in ("a", "b", "gang", "c"):
+        q.add(key)
+    assert q.get(0) == "gang"
+    q.add("gang")                      # asked for again while it runs
+    q.add("d")
+    q.done("gang")
+    assert [q.get(0) for _ in range(6)] == ["gang", "a", "b", "c", "d", None]
+
+
 def test_a_key_added_while_it_is_processed_runs_again_after_and_never_twice_at_once():
     q = WorkQueue("t")
     q.add("a")
