@@ -20,6 +20,11 @@ def now_rfc3339(now: dt.datetime | None = None) -> str:
 
 
 def parse_rfc3339(text: str) -> dt.datetime:
+    """The API server's timestamps ("2026-01-01T00:00:00Z"); ValueError for anything else."""
+    if len(text) == 20 and text[4] == text[7] == "-" and text[10] == "T" and text[13] == text[16] == ":" \
+            and text[19] == "Z" and text[:19].replace("-", "").replace(":", "").replace("T", "").isdigit():
+        # the same answer as strptime below, in a tenth of the time (a gang pass parses thousands)
+        return dt.datetime.fromisoformat(text[:19]).replace(tzinfo=dt.UTC)
     return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
 
 

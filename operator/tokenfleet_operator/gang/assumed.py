@@ -8,22 +8,18 @@ bind that succeeded is remembered here, and so is every member deletion that the
 
 An entry ends once the cache shows what it assumed (the pod with a node, the pod terminating or gone), so
 the overlay never outlives the lag of the watch; an entry older than ``ttl`` ends anyway, so a watch that
-missed an event cannot pin a wrong view for long (the safety-net full pass lists from the cache, which a
-relist repairs).
+missed an event cannot pin a wrong view for long.
 """
 from __future__ import annotations
 
-import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tokenfleet_operator.gang.snapshot import to_rfc3339
+
 Obj = dict[str, Any]
-
-
-def _rfc3339(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class AssumedState:
@@ -63,8 +59,7 @@ class AssumedState:
                     if meta.get("deletionTimestamp") or now - deleted_at > self.ttl:
                         del self._deleted[uid]
                     else:
-                        pod = {**pod, "metadata": {**meta, "deletionTimestamp": _rfc3339(deleted_at)}}
-                        meta = pod["metadata"]
+                        pod = {**pod, "metadata": {**meta, "deletionTimestamp": to_rfc3339(deleted_at)}}
                 bound = self._bound.get(uid)
                 if bound is not None:
                     spec = pod.get("spec") or {}

@@ -49,9 +49,9 @@ class ClusterView(Protocol):
     def wrote(self, kind: str, obj: Obj) -> None: ...
 
 
-def _list_queues(kube: Kube, **kw: Any) -> list[Obj]:
+def _list_queues(kube: Kube) -> list[Obj]:
     try:
-        return kube.list_cluster(API_VERSION, "SliceQueue", **kw)
+        return kube.list_cluster(API_VERSION, "SliceQueue")
     except KubeError as e:
         if e.status != 404:
             raise

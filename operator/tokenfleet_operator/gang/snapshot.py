@@ -226,11 +226,6 @@ def default_queue(resources: set[str]) -> QueueConfig:
 def timestamp(text: str | None) -> float | None:
     if not text:
         return None
-    if len(text) == 20 and text[10] == "T" and text[19] == "Z":    # the API server's form: the fast path
-        try:
-            return dt.datetime.fromisoformat(text[:19]).replace(tzinfo=dt.UTC).timestamp()
-        except ValueError:
-            return None
     try:
         return parse_rfc3339(text).timestamp()
     except ValueError:

@@ -1,3 +1,7 @@
+import datetime as dt
+
+import pytest
+
 from tokenfleet_operator import conditions as cond
 
 
@@ -43,3 +47,11 @@ def test_rfc3339_round_trip():
     import datetime as dt
     moment = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.UTC)
     assert cond.parse_rfc3339(cond.now_rfc3339(moment)) == moment
+
+
+def test_api_server_timestamps_parse_as_utc_and_anything_else_is_refused():
+    assert cond.parse_rfc3339("2026-12-02T23:59:59Z") == dt.datetime(2026, 12, 2, 23, 59, 59, tzinfo=dt.UTC)
+    for bad in ("2026-13-02T00:00:00Z", "2026-12-02T00:00+1:0Z", "2026-12-02 00:00:00Z", "2026-12-02T00:00:00",
+                "2026-12-02T00:00:00+00:00", ""):
+        with pytest.raises(ValueError):
+            cond.parse_rfc3339(bad)
