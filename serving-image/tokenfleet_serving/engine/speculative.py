@@ -14,12 +14,14 @@ written again, and no prefix-cache hash ever covers them.
 The rule: speculation pays when it raises tokens per second. With B requests decoding, a forward pass over
 T tokens costing ``c(T)`` (measured on the model at start, 1 to 128 rows, ``StepCost``), and request r expected to
 emit ``E_r = (1 - a_r^(k_r + 1)) / (1 - a_r)`` tokens when it verifies k_r drafts accepted at rate a_r
-(its own acceptance so far, shrunk towards the engine's recent rate), the step speculates for the requests
-S (best ``(E_r - 1) / k_r`` first) that maximize
+(its own acceptance so far, shrunk towards the engine's recent rate), k_r being the number of drafts (at
+most k) that would pay best were r alone to speculate (``draft_count``: a request whose drafts hold less
+often verifies one or two rather than none), the step speculates for the requests S (best
+``(E_r - 1) / k_r`` first) that maximize
 
     (B + sum over S of (E_r - 1)) / (c(B + sum over S of k_r) + draft(S))
 
-where draft(S) is k draft-model forwards over |S| rows (0 for prompt lookup), and not at all when S empty
+where draft(S) is max k_r draft-model forwards over |S| rows (0 for prompt lookup), and not at all when S empty
 wins. ``base`` also counts the engine's running time per step outside the forward pass (scheduling,
 sampling, proposing: a fixed cost per step that dominates for small models). Small batches are bound by
 reading the weights, so extra rows are nearly free and even middling acceptance pays; as B grows each
@@ -158,6 +160,22 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def draft_count(acceptance: float, room: int, batch: int, cost: StepCost, draft_rounds: bool) -> int:
+    """How many drafts (0 to ``room``) one request accepted at this rate should verify in a step of ``batch``
+    decoding requests, were it the only one to speculate: the k that maximizes tokens per second. Verifying
+    fewer drafts costs fewer rows, so a request whose drafts hold less often still gains from one or two
+    where four would not pay, and its acceptance estimate keeps learning."""
+    best_k, best_rate = 0, batch / cost.seconds(batch)
+    for k in range(1, room + 1):
+        seconds = cost.seconds(batch + k)
+        if draft_rounds:
+            seconds += k * (cost.draft_base + cost.draft_per_token)
+        rate = (batch + expected_tokens(acceptance, k) - 1.0) / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
 def choose(gains: list[tuple[float, int]], batch: int, cost: StepCost, draft_rounds: int) -> int:
     """How many of the candidates to speculate for, each ``(expected extra tokens, draft rows)`` and sorted
     best first, in a step of ``batch`` decoding requests: the prefix that maximizes tokens per second
@@ -286,10 +304,13 @@ class Speculator:
         chosen = candidates
         if self.cost is not None:
             decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-            scored = sorted(((expected_tokens(self._rate(r.request_id), k) - 1.0, k, r) for r, k in candidates),
-                            key=lambda g: -g[0] / g[1])
             cost = dataclasses.replace(self.cost, overhead=self.overhead)
-            take = choose([(g, k) for g, k, _ in scored], decoding, cost, self.k if self.draft else 0)
+            sized = [(r, draft_count(self._rate(r.request_id), room, decoding, cost, self.draft is not None), room)
+                     for r, room in candidates]
+            scored = sorted(((expected_tokens(self._rate(r.request_id), k) - 1.0, k, r) for r, k, _ in sized if k),
+                            key=lambda g: -g[0] / g[1])
+            rounds = max((k for _, k, _ in scored), default=0) if self.draft else 0
+            take = choose([(g, k) for g, k, _ in scored], decoding, cost, rounds) if scored else 0
             if take == 0:
                 self.stats.num_steps_declined += 1
                 self.declined_in_a_row += 1

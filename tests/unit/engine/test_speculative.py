@@ -18,7 +18,7 @@ from tokenfleet_serving.engine.config import CheckpointError
 from tokenfleet_serving.engine.ngram import TokenHistory, propose
 from tokenfleet_serving.engine.rejection_sampler import verify
 from tokenfleet_serving.engine.request import Request
-from tokenfleet_serving.engine.speculative import SpeculativeConfig, SpeculativeConfigError, StepCost, choose, expected_tokens
+from tokenfleet_serving.engine.speculative import SpeculativeConfig, SpeculativeConfigError, StepCost, choose, draft_count, expected_tokens
 from tokenfleet_serving.testing_models import create_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -290,6 +290,20 @@ def test_the_rule_speculates_while_it_raises_tokens_per_second():
     assert choose([good], 1, draft, 4) == 1
 
 
+def test_each_request_verifies_as_many_drafts_as_pay_at_its_acceptance():
+    cheap = StepCost(base=0.010, per_token=0.0003)          # memory-bound: a row is 3 % of a step
+    assert draft_count(0.0, 4, 1, cheap, False) == 0          # drafts that never hold never pay
+    assert draft_count(0.1, 4, 1, cheap, False) == 1          # one cheap row pays at 10 %, four do not ...
+    assert choose([(expected_tokens(0.1, 4) - 1, 4)], 1, cheap, 0) == 0
+    assert draft_count(0.9, 4, 1, cheap, False) == 4          # ... and drafts that nearly always hold take all k
+    assert draft_count(0.9, 2, 1, cheap, False) == 2          # (never more than the request has room for)
+    dear = StepCost(base=0.001, per_token=0.001)              # compute-bound: a row costs what a request does
+    assert draft_count(0.6, 4, 32, dear, False) == 0
+    # a draft model's forwards count against its drafts
+    with_draft = StepCost(base=0.010, per_token=0.0003, draft_base=0.004, draft_per_token=0.0001)
+    assert draft_count(0.6, 4, 1, with_draft, True) < draft_count(0.6, 4, 1, cheap, False)
+
+
 def test_a_measured_step_cost_is_interpolated_and_a_jump_in_it_stops_the_rule():
     # int8-like: flat up to 16 rows (the weights are read once), then three times the cost (widened weights)
     measured = StepCost(base=0.0, per_token=0.0, points=((1, 0.010), (4, 0.011), (16, 0.012), (20, 0.033), (32, 0.036)))
@@ -319,9 +333,10 @@ def test_the_engine_switches_speculation_off_for_big_batches_and_probes(llama_di
     one.generate(repetitive_prompts(2, 1), GREEDY)
     s = one.stats().spec_decode
     assert s.num_steps_declined == 0 and s.num_steps_speculated == s.num_drafts > 0
-    # prompt lookup on this random model: its drafts fail, so after a few tries even a lone request stops
+    # prompt lookup on this random model: its drafts fail, so after a few tries even a lone request stops,
+    # where a row costs something (a fifth of a step; at 3 % one draft would still pay at 3 % acceptance)
     alone = engine(llama_dir, SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
-    alone.speculator.cost = StepCost(base=0.010, per_token=0.0003)
+    alone.speculator.cost = StepCost(base=0.010, per_token=0.002)
     alone.generate(repetitive_prompts(2, 1), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     s = alone.stats().spec_decode
     assert s.num_accepted_tokens == 0 and s.num_steps_declined > s.num_steps_speculated > 0
@@ -372,3 +387,4 @@ def test_a_draft_model_with_another_vocabulary_is_an_error_naming_its_file(llama
         engine(llama_dir, fixed("draft", swapped))
     with pytest.raises(CheckpointError, match=r"missing/config\.json: file not found"):
         engine(llama_dir, fixed("draft", tmp_path / "missing"))
+
