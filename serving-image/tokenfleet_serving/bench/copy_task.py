@@ -28,9 +28,15 @@ SEP_TOKEN = "<|im_start|>"     # between the document and the answer (a special 
 EOS_TOKEN = "<|im_end|>"
 
 
+# The reference model's vocabulary (bench engine's REFERENCE), so that W5's model has its size, lm_head included,
+# and a document of random tokens repeats few of them (an induction circuit copies "what followed this token
+# before", which a token seen twice leaves ambiguous; a trained model would read more context).
+VOCAB_SIZE = 8192
+
+
 @dataclass(frozen=True)
 class CopyTask:
-    vocab_size: int = 512
+    vocab_size: int = VOCAB_SIZE
     first_content_id: int = 16           # document tokens are drawn from [first_content_id, vocab_size)
     doc_min: int = 48
     doc_max: int = 96
@@ -38,6 +44,7 @@ class CopyTask:
     spans_max: int = 3
     span_min: int = 12
     span_max: int = 32
+    zipf_exponent: float = 0.0           # document tokens: uniform (0), or Zipf-distributed as words are (1)
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,11 @@ class CopyModelShape:
     intermediate_size: int = 256
 
 
-W5 = CopyTask(doc_min=96, doc_max=160)          # the benchmark's documents (training uses shorter ones)
+# The benchmark's documents (training uses shorter ones), their tokens as frequent as words in text (Zipf, s = 1:
+# the commonest token is a tenth of a document). Where a frequent token recurs, "what followed it before" has
+# several answers and the model's next token and prompt lookup's guess part ways: its answers are spans of the
+# document with jumps between them, as extractive answers are, not one endless quote.
+W5 = CopyTask(doc_min=96, doc_max=160, zipf_exponent=1.0)
 TARGET = CopyModelShape()
 DRAFT = CopyModelShape(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
 
@@ -61,13 +72,24 @@ def special_ids(vocab_size: int) -> tuple[int, int]:
     return tok.token_to_id(SEP_TOKEN), tok.token_to_id(EOS_TOKEN)
 
 
+def zipf_weights(task: CopyTask) -> torch.Tensor:
+    """Weights of the content tokens: 1 / rank^s, the ranks a fixed permutation of the ids."""
+    n = task.vocab_size - task.first_content_id
+    ranks = torch.randperm(n, generator=torch.Generator().manual_seed(0)).double() + 1.0
+    return ranks ** -task.zipf_exponent
+
+
 def example(task: CopyTask, gen: torch.Generator, sep: int, eos: int) -> tuple[list[int], list[int]]:
     """(prompt, answer): a document then the separator; spans of the document then EOS."""
     def randint(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (), generator=gen))
 
-    doc = torch.randint(task.first_content_id, task.vocab_size, (randint(task.doc_min, task.doc_max),),
-                        generator=gen).tolist()
+    length = randint(task.doc_min, task.doc_max)
+    if task.zipf_exponent > 0:
+        doc = (torch.multinomial(zipf_weights(task), length, replacement=True, generator=gen)
+               + task.first_content_id).tolist()
+    else:
+        doc = torch.randint(task.first_content_id, task.vocab_size, (length,), generator=gen).tolist()
     answer: list[int] = []
     for _ in range(randint(task.spans_min, task.spans_max)):
         length = randint(task.span_min, min(task.span_max, len(doc) - 1))
@@ -189,7 +211,7 @@ PREVIOUS_TOKEN_PAIRS = 8          # the fastest-turning rotary pairs: they singl
 ROPE_THETA = 1e7                  # slow pairs barely turn over a thousand positions: they match content
 
 
-def build(directory: str | Path, shape: CircuitShape = CIRCUIT_TARGET, vocab_size: int = 512) -> dict:
+def build(directory: str | Path, shape: CircuitShape = CIRCUIT_TARGET, vocab_size: int = VOCAB_SIZE) -> dict:
     """Write a Llama checkpoint whose first two layers copy from the context, by construction (an induction circuit,
     as trained transformers form): every token has a random unit code; layer 1's first head attends from
     each position to the one before it (constant queries and keys, through their biases, on the fastest
