@@ -218,19 +218,42 @@ def sequence_logits(eng: LLMEngine, seq: list[int]) -> torch.Tensor:
         eng.kv.pool.release(table)
 
 
+def greedy_agreement(ref: LLMEngine, q8: LLMEngine, prompts: list[list[int]], tokens: int,
+                     near_tie: float) -> dict:
+    """Greedy agreement of ``q8`` with ``ref`` over ``tokens`` answer tokens of each prompt: teacher-forced
+    (q8's argmax after the reference's own tokens) and free-running (tokens before the first difference).
+    A disagreement where the reference's top two logits are closer than ``near_tie`` is a near tie."""
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    agree = total = near_ties = identical = 0
+    for prompt, ref_gen, q8_gen in zip(prompts, ref.generate(prompts, greedy), q8.generate(prompts, greedy)):
+        seq = prompt + ref_gen.new_token_ids
+        a, b = sequence_logits(ref, seq)[-tokens - 1:-1], sequence_logits(q8, seq)[-tokens - 1:-1]
+        ref_tokens = torch.tensor(ref_gen.new_token_ids)
+        same = b.argmax(-1) == ref_tokens
+        agree += int(same.sum())
+        total += len(ref_tokens)
+        top2 = a.topk(2, dim=-1).values
+        near_ties += int(((top2[:, 0] - top2[:, 1]) < near_tie)[~same].sum())
+        for x, y in zip(ref_gen.new_token_ids, q8_gen.new_token_ids):
+            if x != y:
+                break
+            identical += 1
+    return {"agreement": agree / total, "tokens": total, "disagreements": total - agree,
+            "disagreements_at_near_ties": near_ties,
+            "agreement_outside_near_ties": (agree + near_ties) / total if total else None,
+            "free_running_identical_fraction": identical / total}
+
+
 def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
     """The int8 engine against the unquantized one (both fp32): KL(p || p_int8) and max |logit difference| of
     the next-token distribution over ``sequences`` x 64 positions (4,096 by default: 64 sequences of 64 prompt
-    + 64 greedy tokens), and greedy
-    agreement over 1,024 tokens (8 x 128): teacher-forced (int8's argmax after the reference's own tokens),
-    and free-running (tokens before the first difference). A disagreement at a near tie (the reference's top
-    two logits closer than the largest logit difference seen) is counted apart."""
+    + 64 greedy tokens), and greedy agreement over 1,024 tokens (8 x 128, ``greedy_agreement``); a near tie
+    is a position whose reference top two logits are closer than the largest logit difference seen."""
     ref = LLMEngine.from_pretrained(model_dir, dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False)
     q8 = LLMEngine.from_pretrained(model_dir, dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False,
                                    quantization="int8")
     rng = random.Random(7)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(sequences + 8)]
-    greedy = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     ref_out = ref.generate(prompts[:sequences], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     kls, max_diff = [], 0.0
     for prompt, out in zip(prompts[:sequences], ref_out):
@@ -240,28 +263,23 @@ def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
         kls.append((lp.exp() * (lp - lq)).sum(-1))
         max_diff = max(max_diff, float((a - b).abs().max()))
     kl = torch.cat(kls)
-    agree = total = disagree_near_tie = identical = 0
-    tail = prompts[sequences:]
-    for prompt, ref_gen, q8_gen in zip(tail, ref.generate(tail, greedy), q8.generate(tail, greedy)):
-        seq = prompt + ref_gen.new_token_ids
-        a, b = sequence_logits(ref, seq)[-129:-1], sequence_logits(q8, seq)[-129:-1]
-        ref_tokens = torch.tensor(ref_gen.new_token_ids)
-        same = b.argmax(-1) == ref_tokens
-        agree += int(same.sum())
-        total += len(ref_tokens)
-        top2 = a.topk(2, dim=-1).values
-        disagree_near_tie += int(((top2[:, 0] - top2[:, 1]) < max_diff)[~same].sum())
-        for x, y in zip(ref_gen.new_token_ids, q8_gen.new_token_ids):
-            if x != y:
-                break
-            identical += 1
+    g = greedy_agreement(ref, q8, prompts[sequences:], 128, max_diff)
     return {"int8_mean_kl": float(kl.mean()), "int8_max_kl": float(kl.max()), "int8_max_abs_logit_diff": max_diff,
-            "int8_kl_positions": int(kl.numel()), "int8_greedy_agreement": agree / total,
-            "int8_greedy_tokens": total, "int8_greedy_disagreements": total - agree,
-            "int8_greedy_disagreements_at_near_ties": disagree_near_tie,
-            "int8_free_running_identical_fraction": identical / total,
+            "int8_kl_positions": int(kl.numel()), "int8_greedy_agreement": g["agreement"],
+            "int8_greedy_tokens": g["tokens"], "int8_greedy_disagreements": g["disagreements"],
+            "int8_greedy_disagreements_at_near_ties": g["disagreements_at_near_ties"],
+            "int8_greedy_agreement_outside_near_ties": g["agreement_outside_near_ties"],
+            "int8_free_running_identical_fraction": g["free_running_identical_fraction"],
             "int8_weight_bytes": q8.model.weight_bytes(), "unquantized_weight_bytes": ref.model.weight_bytes(),
             "int8_weight_bytes_ratio": q8.model.weight_bytes() / ref.model.weight_bytes()}
+
+
+def int8_copy_model_agreement(model_dir: Path, prompts: list[list[int]], tokens: int) -> dict:
+    """Greedy agreement of int8 with fp32 on W5's copying model, whose next token is a confident choice (it
+    copies), not one of the near ties of random weights; a near tie here is top two logits within 0.01."""
+    kw = dict(dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False)
+    ref, q8 = LLMEngine.from_pretrained(model_dir, **kw), LLMEngine.from_pretrained(model_dir, **kw, quantization="int8")
+    return greedy_agreement(ref, q8, prompts, tokens, 0.01)
 
 
 def copied_fraction(model_dir: Path, prompts: list[list[int]]) -> float:
@@ -425,6 +443,7 @@ def measure(price: float, model_dir: Path | None, work: Path, train_seconds: flo
     result["ngram_w1_steps"] = {"speculated": sd.num_steps_speculated, "declined": sd.num_steps_declined} if sd else None
     del w1_engines
     result.update(int8_quality(model_dir, vocab, scale.quality_sequences))
+    result["int8_copy_model_greedy"] = int8_copy_model_agreement(target_dir, w5[-8:], 128 if scale == FULL else 64)
     result["rows"] = rows
     result["loadavg_end"] = os.getloadavg()
     return result
@@ -442,7 +461,8 @@ def table(result: dict) -> str:
                      f"{r.get('vs_previous', '')} |")
     keys = ("ngram_speedup_batch1", "ngram_speedup_batch4", "ngram_speedup_batch16", "ngram_acceptance_rate",
             "ngram_w1_ratio", "draft_speedup_batch1", "int8_speedup_batch1", "int8_speedup_batch4", "int8_w1_ratio",
-            "int8_weight_bytes_ratio", "int8_greedy_agreement", "int8_mean_kl", "int8_max_abs_logit_diff")
+            "int8_weight_bytes_ratio", "int8_greedy_agreement", "int8_greedy_agreement_outside_near_ties",
+            "int8_mean_kl", "int8_max_abs_logit_diff")
     lines += [f"{k}: {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))]
     return "\n".join(lines)
 
