@@ -111,6 +111,7 @@ class Settings:
     w4_suffix_tokens: int = 16
     w4_max_tokens: int = 16
     w4_kv_mb: int = 12
+    w4_nosharing_rounds: int = 2               # runs of each no-sharing policy, alternated (A B B A)
     policies: tuple[str, ...] = POLICIES
     nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
     skip_autoscale: bool = False
@@ -466,8 +467,10 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
 
 
 # ---- (b) W4 routing -----------------------------------------------------------------------------------
-def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: list[list[int]]) -> dict[str, Any]:
-    name = f"{'w4' if sharing else 'ns'}-{policy}"
+def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: list[list[int]],
+           suffix: str = "") -> dict[str, Any]:
+    """One W4 (or no-sharing) run under ``policy`` on fresh replicas: the raw records and what was spent."""
+    name = f"{'w4' if sharing else 'ns'}-{policy}{suffix}"
     cluster.log(f"(b) {'W4' if sharing else 'no-sharing'} under {policy}: {s.w4_replicas} fresh replicas, "
                 f"{s.w4_clients} clients for {s.w4_seconds:.0f}s")
     cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb}, policy=policy))
@@ -485,21 +488,36 @@ def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: 
     cluster.delete(name)
     # the first w4_warmup_s fill the fresh caches: the statistics are of the requests sent after them
     measured_from = start + s.w4_warmup_s
-    done = [r for r in records if r["complete"] and r["sent"] >= measured_from]
-    elapsed = max((r["finished"] for r in records), default=start) - measured_from
+    return {"records": records, "done": [r for r in records if r["complete"] and r["sent"] >= measured_from],
+            "elapsed": max((r["finished"] for r in records), default=start) - measured_from, "cpu": cpu,
+            "reasons": reasons}
+
+
+def w4_summary(policy: str, sharing: bool, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's W4 figures over its runs (pooled requests: percentiles of them all, rates over the summed
+    measured time)."""
+    records = [r for run in runs for r in run["records"]]
+    done = [r for run in runs for r in run["done"]]
+    elapsed = sum(run["elapsed"] for run in runs)
+    cpu = sum(run["cpu"] for run in runs)
     prompt = sum(r["prompt_tokens"] for r in done)
     backends: dict[str, int] = {}
     for r in done:
         backends[r["backend"] or "?"] = backends.get(r["backend"] or "?", 0) + 1
+    reasons: dict[str, float] = {}
+    for run in runs:
+        for reason, n in run["reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + n
     return {
-        "policy": policy, "sharing": sharing, "requests": len(records), "lost": fm.lost(records),
+        "policy": policy, "sharing": sharing, "runs": len(runs), "requests": len(records), "lost": fm.lost(records),
         "ttft_p50_s": fm.percentile(map(fm.ttft, done), 50), "ttft_p95_s": fm.percentile(map(fm.ttft, done), 95),
+        "ttft_p95_s_per_run": [fm.percentile(map(fm.ttft, run["done"]), 95) for run in runs],
         "tpot_p50_s": fm.percentile(map(fm.tpot, done), 50),
         "prefix_cache_hit_rate": sum(r["cached_tokens"] for r in done) / prompt if prompt else None,
         "requests_per_second": len(done) / elapsed if elapsed > 0 else None,
         "output_tokens_per_second": sum(r["output_tokens"] for r in done) / elapsed if elapsed > 0 else None,
         "seconds": round(elapsed, 1), "requests_per_backend": dict(sorted(backends.items())),
-        "router_decisions": reasons,
+        "router_decisions": dict(sorted(reasons.items())),
         "replica_cpu_seconds": round(cpu, 1),
         "requests_per_replica_cpu_second": len([r for r in records if r["complete"]]) / cpu if cpu > 0 else None,
     }
@@ -527,13 +545,22 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     prefixes = [random_prompt(rng, s.w4_prefix_tokens, s.vocab) for _ in range(s.w4_prefixes)]
     kv_blocks = s.kv_blocks(s.w4_kv_mb)
     prefix_blocks = s.w4_prefix_tokens // 16
-    runs = {p: w4_run(cluster, s, p, True, prefixes) for p in s.policies}
-    control = {p: w4_run(cluster, s, p, False, prefixes) for p in s.nosharing_policies}
+    runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes)]) for p in s.policies}
+    # the control's policies route alike (no prefix to follow), so what tells them apart is the host's drift
+    # between runs: they alternate, A B B A ..., over w4_nosharing_rounds each, and pool their requests
+    order: list[str] = []
+    for i in range(s.w4_nosharing_rounds):
+        order += list(s.nosharing_policies) if i % 2 == 0 else list(reversed(s.nosharing_policies))
+    parts: dict[str, list[dict[str, Any]]] = {p: [] for p in s.nosharing_policies}
+    for i, p in enumerate(order):
+        parts[p].append(w4_run(cluster, s, p, False, prefixes, suffix=f"-{i}"))
+    control = {p: w4_summary(p, False, r) for p, r in parts.items()}
     p95 = {p: r["ttft_p95_s"] for p, r in runs.items()}
     rr, pa = p95.get("round-robin"), p95.get("prefix-aware")
     ns_pa, ns_ll = control.get("prefix-aware", {}).get("ttft_p95_s"), control.get("least-load", {}).get("ttft_p95_s")
     return {
         "replicas": s.w4_replicas, "clients": s.w4_clients, "seconds_per_policy": s.w4_seconds,
+        "nosharing_rounds": s.w4_nosharing_rounds,
         "warmup_seconds_left_out": s.w4_warmup_s,
         "prefixes": s.w4_prefixes, "prefix_tokens": s.w4_prefix_tokens, "suffix_tokens": s.w4_suffix_tokens,
         "max_tokens": s.w4_max_tokens,
@@ -710,7 +737,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 collect_seconds=args.collect_seconds, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 seed=args.seed, w4_replicas=args.w4_replicas,
                 w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
-                policies=tuple(args.policies.split(",")), nosharing_policies=tuple(args.nosharing_policies.split(",")),
+                w4_nosharing_rounds=args.w4_nosharing_rounds, policies=tuple(args.policies.split(",")),
+                nosharing_policies=tuple(args.nosharing_policies.split(",")),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
     return s
 
@@ -741,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w4-kv-mb", type=int, default=12, help="engine.kvCacheMb of the W4 replicas")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--nosharing-policies", default=",".join(NOSHARING_POLICIES))
+    ap.add_argument("--w4-nosharing-rounds", type=int, default=Settings.w4_nosharing_rounds,
+                    help="runs of each no-sharing policy, alternated A B B A and pooled")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)

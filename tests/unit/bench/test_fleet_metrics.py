@@ -71,3 +71,26 @@ def test_cost_per_million_tokens_from_replica_seconds():
     # 2 replica-hours at $3 per replica-hour for 1.5 M tokens: $4 per Mtok
     assert fm.cost_per_million_tokens(7200, 3.0, 1.5e6) == pytest.approx(4.0)
     assert fm.cost_per_million_tokens(7200, 3.0, 0) is None
+
+
+def test_w4_pools_a_policys_alternated_runs():
+    from tokenfleet_dev.bench.fleet import w4_summary
+
+    def rec(sent: float, ttft: float, backend: str, complete: bool = True) -> dict:
+        return {"sent": sent, "first_token": sent + ttft, "finished": sent + ttft + 1.0, "output_tokens": 11,
+                "prompt_tokens": 100, "cached_tokens": 50, "complete": complete, "backend": backend}
+
+    fast = [rec(i, 0.1, "a") for i in range(10)]
+    slow = [rec(i, 1.0, "b") for i in range(10)]
+    runs = [{"records": fast, "done": fast, "elapsed": 10.0, "cpu": 5.0, "reasons": {"least-load": 10}},
+            {"records": slow + [rec(11, 1.0, "b", complete=False)], "done": slow, "elapsed": 30.0, "cpu": 15.0,
+             "reasons": {"least-load": 11}}]
+    s = w4_summary("least-load", False, runs)
+    assert s["runs"] == 2 and s["requests"] == 21 and s["lost"] == 1
+    assert s["ttft_p95_s_per_run"] == [pytest.approx(0.1), pytest.approx(1.0)]
+    assert s["ttft_p50_s"] == pytest.approx(0.55)                    # of the 20 pooled requests, not of a run
+    assert s["requests_per_second"] == pytest.approx(20 / 40.0)      # over the summed measured time
+    assert s["output_tokens_per_second"] == pytest.approx(220 / 40.0)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.5)
+    assert s["requests_per_backend"] == {"a": 10, "b": 10} and s["router_decisions"] == {"least-load": 21}
+    assert s["requests_per_replica_cpu_second"] == pytest.approx(20 / 20.0)
