@@ -218,6 +218,12 @@ def sequence_logits(eng: LLMEngine, seq: list[int]) -> torch.Tensor:
         eng.kv.pool.release(table)
 
 
+def fp32_and_int8(model_dir: Path) -> tuple[LLMEngine, LLMEngine]:
+    """The unquantized engine and the int8 one, both computing in fp32: the pair the quality measures compare."""
+    kw = dict(dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False)
+    return LLMEngine.from_pretrained(model_dir, **kw), LLMEngine.from_pretrained(model_dir, **kw, quantization="int8")
+
+
 def greedy_agreement(ref: LLMEngine, q8: LLMEngine, prompts: list[list[int]], tokens: int,
                      near_tie: float) -> dict:
     """Greedy agreement of ``q8`` with ``ref`` over ``tokens`` answer tokens of each prompt: teacher-forced
@@ -249,9 +255,7 @@ def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
     the next-token distribution over ``sequences`` x 64 positions (4,096 by default: 64 sequences of 64 prompt
     + 64 greedy tokens), and greedy agreement over 1,024 tokens (8 x 128, ``greedy_agreement``); a near tie
     is a position whose reference top two logits are closer than the largest logit difference seen."""
-    ref = LLMEngine.from_pretrained(model_dir, dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False)
-    q8 = LLMEngine.from_pretrained(model_dir, dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False,
-                                   quantization="int8")
+    ref, q8 = fp32_and_int8(model_dir)
     rng = random.Random(7)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(sequences + 8)]
     ref_out = ref.generate(prompts[:sequences], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
@@ -277,9 +281,7 @@ def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
 def int8_copy_model_agreement(model_dir: Path, prompts: list[list[int]], tokens: int) -> dict:
     """Greedy agreement of int8 with fp32 on W5's copying model, whose next token is a confident choice (it
     copies), not one of the near ties of random weights; a near tie here is top two logits within 0.01."""
-    kw = dict(dtype="float32", kv_cache_bytes=128 << 20, load_tokenizer=False)
-    ref, q8 = LLMEngine.from_pretrained(model_dir, **kw), LLMEngine.from_pretrained(model_dir, **kw, quantization="int8")
-    return greedy_agreement(ref, q8, prompts, tokens, 0.01)
+    return greedy_agreement(*fp32_and_int8(model_dir), prompts, tokens, 0.01)
 
 
 def copied_fraction(model_dir: Path, prompts: list[list[int]]) -> float:

@@ -305,12 +305,12 @@ class Speculator:
         if self.cost is not None:
             decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
             cost = dataclasses.replace(self.cost, overhead=self.overhead)
-            sized = [(r, draft_count(self._rate(r.request_id), room, decoding, cost, self.draft is not None), room)
-                     for r, room in candidates]
-            scored = sorted(((expected_tokens(self._rate(r.request_id), k) - 1.0, k, r) for r, k, _ in sized if k),
+            rated = [(r, room, self._rate(r.request_id)) for r, room in candidates]
+            sized = [(r, draft_count(a, room, decoding, cost, self.draft is not None), a) for r, room, a in rated]
+            scored = sorted(((expected_tokens(a, k) - 1.0, k, r) for r, k, a in sized if k),
                             key=lambda g: -g[0] / g[1])
             rounds = max((k for _, k, _ in scored), default=0) if self.draft else 0
-            take = choose([(g, k) for g, k, _ in scored], decoding, cost, rounds) if scored else 0
+            take = choose([(g, k) for g, k, _ in scored], decoding, cost, rounds)
             if take == 0:
                 self.stats.num_steps_declined += 1
                 self.declined_in_a_row += 1

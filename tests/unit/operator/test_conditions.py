@@ -44,7 +44,6 @@ def test_transitions_lists_only_status_changes():
 
 
 def test_rfc3339_round_trip():
-    import datetime as dt
     moment = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.UTC)
     assert cond.parse_rfc3339(cond.now_rfc3339(moment)) == moment
 
