@@ -191,6 +191,26 @@ class ProcessSampler:
         self._thread.join(timeout=5)
 
 
+def process_cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of each named process that is still alive."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds each process spent between two readings, largest first (processes in both only)."""
+    spent = {name: round(after[name] - before[name], 1) for name in after if name in before}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
 class ReadyWatcher:
     """Follows the InferenceServices of a namespace through a watch and records when each is
     Ready; ``wait_all`` returns once every expected one is Ready at the same time."""
@@ -313,6 +333,7 @@ class Phases:
     all_ready_at: float | None
     ramp: Scrape                      # metrics from t0 to all Ready (or to the timeout)
     ramp_cpu_seconds: float
+    ramp_plane_cpu_seconds: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds in the ramp
     ramp_end: float = 0.0             # when the ramp's metrics were read
     ready_at_ramp_end: int | None = None
     idle: Scrape | None = None
@@ -410,6 +431,8 @@ def summarize(p: Phases, namespace: str = NAMESPACE) -> dict[str, Any]:
         "api_requests_by_verb": {f"{verb} {resource}": n for (verb, resource), n in
                                  sorted(ramp.api_requests.items(), key=lambda kv: -kv[1]) if n} if ramp.has_api_requests else None,
         "cpu_seconds_total": _round(p.cpu_seconds_total, 2),
+        # every process of the plane (the operator included) in the ramp: where the two cores went
+        "ramp_cpu_seconds_by_process": p.ramp_plane_cpu_seconds,
         "harness_watch_events": p.watch_events,
     }
     if ramp.has_objects:
@@ -575,6 +598,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler = ProcessSampler(pid, t0).start()
         watcher = ReadyWatcher(plane.kubeconfig, NAMESPACE, {w.name for w in services}, t0).start()
         before, cpu0 = scrape(port), sampler.cpu_seconds()
+        pids = {name: proc["pid"] for name, proc in plane.state()["processes"].items()}
+        plane_cpu0 = process_cpu_seconds(pids)
         text = "\n---\n".join(yaml.safe_dump(service_manifest(w, NAMESPACE)) for w in services)
         plane.kubectl("create", "-f", "-", input=text, timeout=600)
         create_seconds = time.monotonic() - t0
@@ -582,8 +607,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         all_ready = watcher.wait_all(args.timeout)
         ramp_end = scrape(port)
         cpu_ready = sampler.cpu_seconds()
+        plane_cpu = cpu_delta(plane_cpu0, process_cpu_seconds(pids))
         phases = Phases(services=services, nodes=nodes, create_seconds=create_seconds, all_ready_at=all_ready,
-                        ramp=ramp_end - before, ramp_cpu_seconds=cpu_ready - cpu0, ramp_end=time.monotonic() - t0,
+                        ramp=ramp_end - before, ramp_cpu_seconds=cpu_ready - cpu0, ramp_plane_cpu_seconds=plane_cpu,
+                        ramp_end=time.monotonic() - t0,
                         ready_at_ramp_end=watcher.ready_count())
         if all_ready is None:
             _log(f"not all Ready after {args.timeout:.0f}s: {watcher.ready_count()}/{len(services)}")

@@ -257,7 +257,7 @@ class LocalCluster:
             f"--default-not-ready-toleration-seconds={TOLERATION_SECONDS}",
             f"--default-unreachable-toleration-seconds={TOLERATION_SECONDS}",
             f"--cert-dir={self.dir / 'pki'}",
-            "--profiling=false", "--v=1", *self._audit_args()])
+            "--profiling=" + os.environ.get("TOKENFLEET_PLANE_PROFILING", "false"), "--v=1", *self._audit_args()])
         ctx = self._admin_ctx(pki)
         self._wait("kube-apiserver", proc, lambda: self._get(f"{api}/readyz", ctx)[1] == "ok", 180)
         self.log(f"kube-apiserver up on {api}")
