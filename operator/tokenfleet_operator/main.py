@@ -67,6 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from tokenfleet_operator.process_memory import limit_malloc_arenas
+    limit_malloc_arenas()        # before any thread starts (process_memory.py: why)
     import functools
 
     import kopf
