@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cpu_limits import millicores
+
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
 # Variables of the runner's own environment that a local process needs to
@@ -63,6 +65,7 @@ class ContainerLaunch:
     termination_log: str = ""                    # local file standing in for terminationMessagePath
     termination_policy: str = "File"             # File | FallbackToLogsOnError
     empty_dirs: tuple[str, ...] = ()             # local folders standing in for emptyDir volumes (made before start)
+    cpu_limit_millicores: int | None = None      # resources.limits.cpu (cpu_limits.py enforces it)
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -228,6 +231,11 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
         # its terminated state; locally the file is in the scratch folder, named by TOKENFLEET_TERMINATION_LOG.
         termination_log = str(Path(scratch) / f"{c['name']}.termination-log")
         env[TERMINATION_ENV] = termination_log
+        try:
+            cpu_limit = millicores(((c.get("resources") or {}).get("limits") or {}).get("cpu"))
+        except ValueError as e:
+            raise LaunchError(f"container {c['name']}: resources.limits.cpu: {e}") from None
         out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files),
-                                   termination_log, c.get("terminationMessagePolicy", "File"), tuple(empty_dirs)))
+                                   termination_log, c.get("terminationMessagePolicy", "File"), tuple(empty_dirs),
+                                   cpu_limit))
     return out

@@ -35,6 +35,7 @@ from pathlib import Path
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from .cpu_limits import CpuLimiter
 from .launch import ContainerLaunch, FileVolume, LaunchError, Probe, container_launches
 from .nodes import KWOK_ANNOTATION
 
@@ -94,6 +95,7 @@ class Running:
     exit_code: int | None = None
     next_restart: float = 0.0
     log: Path | None = None
+    cgroup: Path | None = None     # the group enforcing its CPU limit (cpu_limits.py)
 
 
 def termination_message(r: Running) -> str:
@@ -128,8 +130,11 @@ class LocalPod:
 
 
 class PodRunner:
-    def __init__(self, api: client.CoreV1Api, image_prefix: str, cidr: str, log_dir: Path):
+    def __init__(self, api: client.CoreV1Api, image_prefix: str, cidr: str, log_dir: Path,
+                 cpu: CpuLimiter | None = None):
         self.api = api
+        self.cpu = cpu
+        self._warned_cpu = False
         self.image_prefix = image_prefix
         self.ips = IpPool(cidr)
         self.log_dir = log_dir
@@ -336,7 +341,7 @@ class PodRunner:
         Path(running.launch.cwd or scratch).mkdir(parents=True, exist_ok=True)
         running.proc = subprocess.Popen(list(running.launch.argv), env=running.launch.env,
                                         cwd=running.launch.cwd or scratch, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, preexec_fn=self._cpu_group(local, running))
         out.close()
         running.started = now()
         running.ready = False
@@ -344,6 +349,24 @@ class PodRunner:
         running.exit_code = None
         probe = running.launch.readiness
         running.next_probe = time.monotonic() + (probe.initial_delay if probe else 0)
+
+    def _cpu_group(self, local: LocalPod, running: Running):
+        """The preexec function that puts a container with a CPU limit into its group, or None."""
+        limit = running.launch.cpu_limit_millicores
+        if limit is None:
+            return None
+        if self.cpu is None or not self.cpu.available:
+            if not self._warned_cpu:
+                self._warned_cpu = True
+                log.warning("CPU limits are not enforced: no writable cgroup hierarchy with the cpu controller")
+            return None
+        running.cgroup = self.cpu.group(f"{local.uid}-{running.launch.name}", limit)
+        return self.cpu.enter(running.cgroup)
+
+    def _release(self, running: Running) -> None:
+        if running.cgroup is not None and self.cpu is not None:
+            self.cpu.remove(running.cgroup)
+            running.cgroup = None
 
     # ------------------------------------------------------------ supervise
     def probe(self, local: LocalPod, probe: Probe) -> bool:
@@ -375,6 +398,7 @@ class PodRunner:
                 if r.proc is not None and r.exit_code is None and r.proc.poll() is not None:
                     r.exit_code = r.proc.returncode
                     r.ready = False
+                    self._release(r)
                     log.info("%s/%s container %s exited %s", local.namespace, local.name, r.launch.name, r.exit_code)
                     if local.restart_policy == "Always" or (local.restart_policy == "OnFailure" and r.exit_code):
                         r.next_restart = t + min(2 ** r.restarts, 30)
@@ -451,6 +475,8 @@ class PodRunner:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for r in local.containers:
+            self._release(r)
         log.info("stopped %s/%s (%s)", local.namespace, local.name,
                  ", ".join(f"{r.launch.name}={r.proc.returncode if r.proc else None}" for r in local.containers))
         self._finalize_delete(local.namespace, local.name, local.uid)
@@ -497,6 +523,8 @@ class PodRunner:
                 except Exception:
                     log.exception("tick failed")
         self.stop_all()
+        if self.cpu is not None:
+            self.cpu.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     config.load_kube_config(args.kubeconfig)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    runner = PodRunner(client.CoreV1Api(), args.image_prefix, args.cidr, log_dir)
+    cpu = CpuLimiter(f"tokenfleet-pod-runner-{os.getpid()}")
+    cpu.remove_stale("tokenfleet-pod-runner-")
+    if cpu.available:
+        log.info("CPU limits enforced in %s", cpu.base)
+    runner = PodRunner(client.CoreV1Api(), args.image_prefix, args.cidr, log_dir, cpu=cpu)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stopping.set())
     runner.run(ready_file=log_dir.parent / "pod-runner.ready")
