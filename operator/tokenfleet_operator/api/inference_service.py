@@ -300,6 +300,12 @@ class AutoscalingSpec(ApiModel):
         "engines' queues (vllm:num_requests_waiting) plus the requests the router holds. Unset: the queue is no signal "
         "of its own (it still counts in targetRequestsPerReplica).", gt=0, le=100000,
     )
+    metric_window_seconds: int = Field(
+        default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "
+        "router readings of this many seconds, so that one busy moment neither adds a replica nor keeps one; a single "
+        "reading that needs at least twice the ready replicas is acted on at once. 0: the latest reading alone.",
+        ge=0, le=600,
+    )
     scale_up_stabilization_seconds: int = Field(
         default=0, description="A scale-up takes the lowest recommendation of this window (0: at once).", ge=0, le=3600
     )

@@ -153,23 +153,36 @@ def window(history: ReadingHistory, seconds: float, end: Entry | None = None) ->
     )
 
 
-def signals(history: ReadingHistory | None, ready_serving_pods: set[str]) -> Signals | None:
-    """The autoscaler's inputs from the latest reading (load and KV of the ready replicas) and the last
-    minute (SLO attainment)."""
+def _load(reading: RouterReading, ready: set[str]) -> tuple[float, float, float, float | None]:
+    """(requests, waiting, running, mean KV usage) of one reading, over the ready replicas it polled; the
+    requests the router holds count as requests and as waiting ones."""
+    pods = [p for p in ready if p in reading.backend_load]
+    kv = [reading.backend_kv[p] for p in pods if p in reading.backend_kv]
+    return (sum(reading.backend_load[p] for p in pods) + reading.pending,
+            sum(reading.backend_waiting.get(p, 0.0) for p in pods) + reading.pending,
+            sum(reading.backend_running.get(p, 0.0) for p in pods),
+            sum(kv) / len(kv) if kv else None)
+
+
+def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0) -> Signals | None:
+    """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
+    last ``window_s`` seconds (0: the latest reading alone) and as the latest reading; SLO attainment over the
+    last minute."""
     latest = history.latest if history else None
     if history is None or latest is None:
         return None
     r = latest.reading
-    ready = [p for p in ready_serving_pods if p in r.backend_load]
-    requests = sum(r.backend_load[p] for p in ready) + r.pending
-    waiting = sum(r.backend_waiting.get(p, 0.0) for p in ready) + r.pending       # the held ones queue too
-    running = sum(r.backend_running.get(p, 0.0) for p in ready)
-    kv = [r.backend_kv[p] for p in ready if p in r.backend_kv]
+    requests, waiting, _, _ = _load(r, ready_serving_pods)
+    loads = [_load(e.reading, ready_serving_pods) for e in history.entries if latest.at - e.at <= window_s]
+    kvs = [k for *_, k in loads if k is not None]
     last_minute = window(history, ATTAINMENT_WINDOW_S)
     attainment = last_minute.request_ratio if last_minute else None
-    return Signals(ready_replicas=len(ready), requests=requests, kv_cache_usage=sum(kv) / len(kv) if kv else None,
-                   slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0, waiting=waiting,
-                   running=running)
+    return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
+                   requests=sum(x[0] for x in loads) / len(loads),
+                   kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
+                   slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0,
+                   waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
+                   requests_now=requests, waiting_now=waiting)
 
 
 def goodput(history: ReadingHistory | None, percentile: float, seconds: float = GOODPUT_WINDOW_S) -> dict | None:

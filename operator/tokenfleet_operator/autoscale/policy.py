@@ -4,7 +4,10 @@ Signals (``Signals``), read from the service's router by the collector:
 
 - requests: waiting + running requests summed over the ready replicas (vLLM's ``num_requests_waiting`` and
   ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
-  replica is up;
+  replica is up; like the two below, the mean over ``metricWindowSeconds`` of readings, so that one busy moment
+  of a bursty arrival process neither adds a replica nor, through the scale-down window, keeps one. A reading
+  that alone needs at least ``PANIC_FACTOR`` times the ready replicas is acted on at once (Knative's "panic
+  mode"): a real surge does not wait for the mean;
 - waiting requests alone (the engines' queues, plus those the router holds), with a target of their own when
   ``targetWaitingPerReplica`` is set: a queue means requests wait for a batch slot, which TTFT feels first;
 - KV-cache usage: the mean over the ready replicas (0..1);
@@ -28,6 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+# A single reading whose need is at least this many times the ready replicas is acted on without averaging.
+PANIC_FACTOR = 2.0
 
 
 class Why(StrEnum):
@@ -68,6 +74,18 @@ class Signals:
     idle_s: float = 0.0                   # seconds since the router last received a request
     waiting: float = 0.0                  # in the ready replicas' queues, plus held by the router
     running: float = 0.0                  # in the ready replicas' batches
+    # requests, waiting and running above (and KV usage) are means over the metric window; these are the latest
+    # reading's (None: the same as the mean)
+    requests_now: float | None = None
+    waiting_now: float | None = None
+
+    @property
+    def latest_requests(self) -> float:
+        return self.requests if self.requests_now is None else self.requests_now
+
+    @property
+    def latest_waiting(self) -> float:
+        return self.waiting if self.waiting_now is None else self.waiting_now
 
 
 @dataclass
@@ -95,15 +113,26 @@ class Recommendation:
     limited: bool = False                 # the signals ask for more than maxReplicas
 
 
+def _load_need(mean: float, latest: float, target: float, ready: int) -> tuple[int, float, bool]:
+    """(replicas, load they were sized for, panic) for a load signal: its mean, unless the latest reading alone
+    needs at least PANIC_FACTOR times the ready replicas."""
+    n_mean = math.ceil(mean / target - 1e-9)
+    n_latest = math.ceil(latest / target - 1e-9)
+    if n_latest > n_mean and n_latest >= PANIC_FACTOR * max(ready, 1):
+        return n_latest, latest, True
+    return n_mean, mean, False
+
+
 def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
     needs = []
     if t.requests_per_replica > 0:
-        n = math.ceil(s.requests / t.requests_per_replica - 1e-9)
-        needs.append((n, Why.REQUESTS, f"{s.requests:g} requests in flight, target {t.requests_per_replica:g} per replica"))
+        n, load, panic = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas)
+        needs.append((n, Why.REQUESTS, f"{load:.3g} requests in flight{' now' if panic else ''}, target "
+                                       f"{t.requests_per_replica:g} per replica"))
     if t.waiting_per_replica > 0:
-        n = math.ceil(s.waiting / t.waiting_per_replica - 1e-9)
-        needs.append((n, Why.WAITING, f"{s.waiting:g} requests waiting for a batch slot, target "
-                                      f"{t.waiting_per_replica:g} per replica"))
+        n, load, panic = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas)
+        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{' now' if panic else ''}, "
+                                      f"target {t.waiting_per_replica:g} per replica"))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
         n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
         needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))
@@ -128,7 +157,7 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
         return Recommendation(n, Why.SCALE_FROM_ZERO, f"{s.pending} requests wait for a replica")
     needs = _needs(t, current, s)
     raw, why, text = max(needs, key=lambda n: n[0]) if needs else (0, Why.WITHIN_TARGETS, "no load")
-    idle = s.requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s
+    idle = s.latest_requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s
     if t.min_replicas == 0 and idle:
         raw, why, text = 0, Why.SCALE_TO_ZERO, f"no request for {s.idle_s:.0f} s"
     elif raw < max(t.min_replicas, 1):

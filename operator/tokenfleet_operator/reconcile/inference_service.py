@@ -138,7 +138,7 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
     current = old.get("desiredReplicas")
     if current is None or old.get("autoscaling") is None:      # the autoscaler was just turned on
         current = max(t.min_replicas, min(t.max_replicas, spec.replicas))
-    sig = signals(history, ready_pods)
+    sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds)
     rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic())
     status: dict[str, Any] = {
         "reason": rec.reason.value, "message": rec.message,

@@ -89,3 +89,16 @@ def test_min_replicas_is_a_floor_and_no_signal_changes_nothing():
     t = Targets(**{**T.__dict__, "min_replicas": 2})
     assert recommend(t, 1, sig(1, 0), History(), 0).replicas == 2
     assert recommend(t, 3, None, History(), 0).reason == Why.NO_SIGNALS
+
+
+def test_one_busy_reading_neither_adds_a_replica_nor_keeps_one_but_a_surge_is_acted_on_at_once():
+    # the mean of the window asks for 2; the latest reading for 3, less than twice the 2 ready: the mean decides
+    assert recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=20.0), History(), 0).replicas == 2
+    # a reading that needs 4 = 2 x the ready replicas: a surge, acted on without waiting for the mean
+    r = recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=30.0), History(), 0)
+    assert (r.replicas, r.reason) == (4, Why.REQUESTS) and "now" in r.message
+    # scale-down follows the mean too: with the mean at 1 replica's worth, one busy reading does not hold 3
+    h, t = History(), Targets(**{**T.__dict__, "scale_down_stabilization_s": 10})
+    for now in range(0, 12, 2):
+        r = recommend(t, 3, Signals(3, 6.0, 0.1, None, requests_now=20.0 if now == 4 else 6.0), h, now)
+    assert r.replicas == 2

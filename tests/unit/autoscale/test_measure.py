@@ -116,3 +116,13 @@ def test_cold_start_and_price_history():
     prices.add(0, 10.0)
     prices.add(150, 20.0)
     assert prices.mean(300, 300) == pytest.approx(15.0)
+
+
+def test_load_signals_are_the_mean_over_the_window_and_the_latest_reading_is_kept_beside_it():
+    h = history(*[(t, reading(load={"a-0": n, "b-0": 0}, kv={"a-0": k, "b-0": k}), 2)
+                  for t, n, k in ((0, 40, 0.9), (10, 2, 0.2), (20, 4, 0.4), (30, 6, 0.6))])
+    s = signals(h, {"a-0", "b-0"}, window_s=20)
+    assert s.requests == pytest.approx(4.0) and s.requests_now == 6          # the reading at 0 s is outside
+    assert s.kv_cache_usage == pytest.approx(0.4)
+    latest_only = signals(h, {"a-0", "b-0"})
+    assert latest_only.requests == latest_only.requests_now == 6 and latest_only.kv_cache_usage == pytest.approx(0.6)
