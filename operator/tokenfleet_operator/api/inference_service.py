@@ -26,6 +26,7 @@ from tokenfleet_operator.api.common import (
 )
 from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
+from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
 
 DEFAULT_IMAGE = "tokenfleet/serving:0.1.0"
 # What `tokenfleet serve --served-model-name` accepts (tokenfleet_serving.server.main.SERVED_MODEL_NAME).
@@ -231,6 +232,18 @@ class RoutingSpec(ApiModel):
         ),
     )
     session_affinity: SessionAffinity = _defaulted(SessionAffinity, "Session affinity.")
+    load_factor: float = Field(
+        default=DEFAULT_LOAD_FACTOR, description="The load bound of prefix-aware, kv-aware and session routing: a "
+        "replica takes a request only while its requests in flight, this one included, are at most loadFactor "
+        "times the mean over the replicas plus loadSlack; otherwise the request goes to the next-best replica "
+        "within the bound (the least-loaded one always is). Higher keeps more requests on the replica that holds "
+        "their prefix, at the cost of a larger imbalance.", ge=1, le=100,
+    )
+    load_slack: int = Field(
+        default=DEFAULT_LOAD_SLACK, description="Requests a replica may carry above loadFactor times the mean "
+        "before the load bound applies, so that at low load a cache hit is not given up for an imbalance of one "
+        "or two requests.", ge=0, le=10000,
+    )
     replicas: int = Field(default=1, description="Router pods.", ge=1, le=16)
     resources: ResourceRequirements | None = Field(default=None, description="Resources of each router pod.")
     migration_limit: int = Field(

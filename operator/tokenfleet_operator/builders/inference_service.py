@@ -251,6 +251,8 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
         namespace=owner["metadata"]["namespace"],
         models=tuple(spec.model.served_model_names),
         policy=routing.policy,
+        load_factor=routing.load_factor,
+        load_slack=routing.load_slack,
         session_affinity=SessionAffinity(affinity.enabled, affinity.header.lower(), affinity.ttl_seconds),
         kv_block_size=spec.engine.kv_block_size,
         model_path=model_dir,       # the router loads the tokenizer from here to hash prompts into prefix blocks

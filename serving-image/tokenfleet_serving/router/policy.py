@@ -7,9 +7,9 @@ waiting requests), KV-cache usage (0..1) and the set of block hashes it holds.
 **Load bound** (consistent hashing with bounded loads, Mirrokni et al. 2018).
 With ``n`` backends carrying ``L`` requests in total, a backend may take the
 request only while ``load + 1 <= ceil(c * (L + 1) / n) + s``, with
-``c = loadFactor`` (default 1.25) and ``s = loadSlack`` (default 1 request,
-so that at very low load a cache hit is not given up for an imbalance of one
-or two requests). The least-loaded backend always qualifies, so no backend
+``c = loadFactor`` (default 1.25) and ``s = loadSlack`` (default 4 requests:
+a cache hit is not given up for an imbalance of a few requests, which costs a
+few batch slots where a miss costs a whole prefill). The least-loaded backend always qualifies, so no backend
 ever holds more than ``c`` times the average load plus ``s + 1`` requests: a
 hot prefix or a hot session spills over to the next-best backend instead of
 piling onto one replica. The bound applies to session affinity, prefix-aware and kv-aware.
@@ -52,7 +52,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from tokenfleet_serving.contract.router_files import Tier
+from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK, Tier
 
 # Decision reasons (the `reason` label of tokenfleet_router_requests_total).
 ROUND_ROBIN = "round-robin"
@@ -86,9 +86,9 @@ class RouteRequest:
 @dataclass(frozen=True)
 class PolicyParams:
     policy: str = "prefix-aware"
-    load_factor: float = 1.25
+    load_factor: float = DEFAULT_LOAD_FACTOR
     kv_usage_threshold: float = 0.9
-    load_slack: int = 1
+    load_slack: int = DEFAULT_LOAD_SLACK
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,15 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_router_json_round_trips_and_every_written_key_is_read():
     body = isvc_body(slo={"timeToFirstTokenMs": 400, "timePerOutputTokenMs": 40, "percentile": 99},
-                     routing={"sessionAffinity": {"enabled": True, "header": "X-User", "ttlSeconds": 30}})
+                     routing={"sessionAffinity": {"enabled": True, "header": "X-User", "ttlSeconds": 30},
+                              "loadFactor": 2.5, "loadSlack": 3})
     spec = InferenceServiceSpec.model_validate(body["spec"])
     written = router_config(body, spec)
     config = parse_router_config(written)              # strict: a key it does not read would be refused
     assert router_config_json(config) == written       # and everything it read is what was written
     assert (config.slo.ttft_ms, config.slo.tpot_ms, config.slo.percentile) == (400, 40, 99.0)
     assert config.session_affinity.header == "x-user" and config.session_affinity.ttl_seconds == 30
+    assert (config.load_factor, config.load_slack) == (2.5, 3)
     cm = desired_children(body, spec).others[0]
     assert json.loads(cm["data"]["router.json"]) == written
 

@@ -85,14 +85,21 @@ def test_hot_prefix_spills_over_at_the_load_bound():
     backends = [BackendView("a", load=0), BackendView("b", load=4, cached=set(PREFIX))]
     # capacity = ceil(1.25 * (4 + 1) / 2) + 1 = 5 -> b (4 + 1 <= 5) may still take it
     assert load_capacity([0, 4], 1.25, 1) == 5
-    d = choose(req(), backends, PolicyParams("prefix-aware"))
+    tight = PolicyParams("prefix-aware", load_factor=1.25, load_slack=1)
+    d = choose(req(), backends, tight)
     assert (d.backend, d.reason, d.matched_blocks) == ("b", PREFIX_HIT, 4)
     # one more and b is over: ceil(1.25 * 6 / 2) + 1 = 5 < 5 + 1
-    d = choose(req(), [BackendView("a", load=0), BackendView("b", load=5, cached=set(PREFIX))], PolicyParams())
+    d = choose(req(), [BackendView("a", load=0), BackendView("b", load=5, cached=set(PREFIX))], tight)
     assert (d.backend, d.reason, d.matched_blocks) == ("a", LOAD_BOUND, 0)
     # without slack the bound is tighter: ceil(1.25 * 4 / 2) = 3 < 3 + 1
     d = choose(req(), [BackendView("a", load=0), BackendView("b", load=3, cached=set(PREFIX))],
-               PolicyParams(load_slack=0))
+               PolicyParams(load_factor=1.25, load_slack=0))
+    assert (d.backend, d.reason) == ("a", LOAD_BOUND)
+    # the default slack, 4, keeps the hit for a few requests more: ceil(1.25 * 13 / 2) + 4 = 13 >= 12 + 1, and
+    # one more is over: ceil(1.25 * 14 / 2) + 4 = 13 < 13 + 1
+    d = choose(req(), [BackendView("a", load=0), BackendView("b", load=12, cached=set(PREFIX))], PolicyParams())
+    assert (d.backend, d.reason) == ("b", PREFIX_HIT)
+    d = choose(req(), [BackendView("a", load=0), BackendView("b", load=13, cached=set(PREFIX))], PolicyParams())
     assert (d.backend, d.reason) == ("a", LOAD_BOUND)
 
 
