@@ -12,7 +12,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenfleet_operator.autoscale.policy import Signals
+from tokenfleet_operator.autoscale.policy import PANIC_WINDOW_SHARE, Signals
 from tokenfleet_serving.contract.cost import cost_per_million_tokens, tokens_per_hour
 from tokenfleet_serving.contract.router_metrics import Histogram, RouterReading
 
@@ -166,14 +166,16 @@ def _load(reading: RouterReading, ready: set[str]) -> tuple[float, float, float,
 
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
-    last ``window_s`` seconds (0: the latest reading alone) and as the latest reading; SLO attainment over the
-    last minute."""
+    last ``window_s`` seconds (0: the latest reading alone) and over the last tenth of them (the panic window: at
+    least the latest reading); SLO attainment over the last minute."""
     latest = history.latest if history else None
     if history is None or latest is None:
         return None
     r = latest.reading
-    requests, waiting, _, _ = _load(r, ready_serving_pods)
     loads = [_load(e.reading, ready_serving_pods) for e in history.entries if latest.at - e.at <= window_s]
+    panic = [_load(e.reading, ready_serving_pods) for e in history.entries
+             if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE] or [_load(r, ready_serving_pods)]
+    requests, waiting = sum(x[0] for x in panic) / len(panic), sum(x[1] for x in panic) / len(panic)
     kvs = [k for *_, k in loads if k is not None]
     last_minute = window(history, ATTAINMENT_WINDOW_S)
     attainment = last_minute.request_ratio if last_minute else None

@@ -5,17 +5,20 @@ Signals (``Signals``), read from the service's router by the collector:
 - requests: waiting + running requests summed over the ready replicas (vLLM's ``num_requests_waiting`` and
   ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
   replica is up; like the two below, the mean over ``metricWindowSeconds`` of readings, so that one busy moment
-  of a bursty arrival process neither adds a replica nor, through the scale-down window, keeps one. A reading
-  that alone needs at least ``PANIC_FACTOR`` times the ready replicas is acted on at once (Knative's "panic
-  mode"): a real surge does not wait for the mean;
+  of a bursty arrival process neither adds a replica nor, through the scale-down window, keeps one. The mean
+  over the last tenth of that window (the "panic window", at least the latest reading) that alone needs at
+  least ``PANIC_FACTOR`` times the ready replicas is acted on at once (Knative's "panic mode"): a real surge
+  does not wait for the mean;
 - waiting requests alone (the engines' queues, plus those the router holds), with a target of their own when
   ``targetWaitingPerReplica`` is set: a queue means requests wait for a batch slot, which TTFT feels first;
 - KV-cache usage: the mean over the ready replicas (0..1);
 - SLO attainment: the share of recent requests that met ``spec.slo`` (TTFT and TPOT), when there were any.
 
 Each signal with a target says how many replicas it needs, as the HPA does: requests / target per replica;
-replicas x usage / target usage; and one more than the ready replicas while attainment is below its target. The largest
-need wins, within [minReplicas, maxReplicas]. Then:
+replicas x usage / target usage; and one more than the ready replicas while attainment is below its target. A
+load within ``TOLERANCE`` (10 %) of what the ready replicas are sized for needs just them, as the HPA's
+tolerance does: the ceiling of a ratio near a whole number would otherwise add and remove a replica in turn as
+the load wanders across it. The largest need wins, within [minReplicas, maxReplicas]. Then:
 
 - **stabilization**: a scale-up takes the lowest recommendation of the last ``scaleUpStabilizationSeconds``
   (0: at once); a scale-down the highest of the last ``scaleDownStabilizationSeconds``, and only once that
@@ -32,8 +35,12 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-# A single reading whose need is at least this many times the ready replicas is acted on without averaging.
+# A panic-window load whose need is at least this many times the ready replicas is acted on without averaging.
 PANIC_FACTOR = 2.0
+# The panic window's share of the metric window (Knative's default: 10 %).
+PANIC_WINDOW_SHARE = 0.1
+# A load within this share of the ready replicas' target load keeps them (the HPA's default tolerance).
+TOLERANCE = 0.1
 
 
 class Why(StrEnum):
@@ -74,8 +81,8 @@ class Signals:
     idle_s: float = 0.0                   # seconds since the router last received a request
     waiting: float = 0.0                  # in the ready replicas' queues, plus held by the router
     running: float = 0.0                  # in the ready replicas' batches
-    # requests, waiting and running above (and KV usage) are means over the metric window; these are the latest
-    # reading's (None: the same as the mean)
+    # requests, waiting and running above (and KV usage) are means over the metric window; these are the means
+    # over the panic window, the latest readings (None: the same as the mean)
     requests_now: float | None = None
     waiting_now: float | None = None
 
@@ -114,9 +121,12 @@ class Recommendation:
 
 
 def _load_need(mean: float, latest: float, target: float, ready: int) -> tuple[int, float, bool]:
-    """(replicas, load they were sized for, panic) for a load signal: its mean, unless the latest reading alone
-    needs at least PANIC_FACTOR times the ready replicas."""
+    """(replicas, load they were sized for, panic) for a load signal: its mean, unless the latest readings alone
+    need at least PANIC_FACTOR times the ready replicas. A mean within TOLERANCE of the ready replicas' target load
+    needs just them."""
     n_mean = math.ceil(mean / target - 1e-9)
+    if ready > 0 and abs(mean / (ready * target) - 1) <= TOLERANCE + 1e-9:
+        n_mean = ready
     n_latest = math.ceil(latest / target - 1e-9)
     if n_latest > n_mean and n_latest >= PANIC_FACTOR * max(ready, 1):
         return n_latest, latest, True

@@ -102,3 +102,13 @@ def test_one_busy_reading_neither_adds_a_replica_nor_keeps_one_but_a_surge_is_ac
     for now in range(0, 12, 2):
         r = recommend(t, 3, Signals(3, 6.0, 0.1, None, requests_now=20.0 if now == 4 else 6.0), h, now)
     assert r.replicas == 2
+
+
+def test_a_load_within_the_tolerance_of_the_ready_replicas_keeps_them():
+    # 2 ready replicas are sized for 16 requests: 17 is within 10 % and keeps 2, where ceil(17 / 8) would add one
+    assert recommend(T, 2, sig(2, 17.0), History(), 0).replicas == 2
+    assert recommend(T, 2, sig(2, 17.7), History(), 0).replicas == 3            # 10.6 % over: one more
+    # and 10 ready at 72 requests (10 % under their 80) are not cut to ceil(72 / 8) = 9
+    t = Targets(**{**T.__dict__, "max_replicas": 12, "scale_down_stabilization_s": 0})
+    assert recommend(t, 10, sig(10, 72.0), History(), 0).replicas == 10
+    assert recommend(t, 10, sig(10, 71.0), History(), 0).replicas == 9

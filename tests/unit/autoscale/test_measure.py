@@ -126,3 +126,10 @@ def test_load_signals_are_the_mean_over_the_window_and_the_latest_reading_is_kep
     assert s.kv_cache_usage == pytest.approx(0.4)
     latest_only = signals(h, {"a-0", "b-0"})
     assert latest_only.requests == latest_only.requests_now == 6 and latest_only.kv_cache_usage == pytest.approx(0.6)
+
+
+def test_the_panic_signal_is_the_mean_over_the_last_tenth_of_the_window():
+    h = history(*[(t, reading(load={"a-0": n}), 1) for t, n in ((0, 2), (26, 2), (28, 20), (30, 4))])
+    s = signals(h, {"a-0"}, window_s=30)                      # panic window 3 s: the readings at 28 and 30 s
+    assert s.requests == pytest.approx(7.0) and s.requests_now == pytest.approx(12.0)
+    assert signals(h, {"a-0"}, window_s=10).requests_now == 4  # 1 s: the latest reading alone
