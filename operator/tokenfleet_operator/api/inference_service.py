@@ -315,8 +315,10 @@ class AutoscalingSpec(ApiModel):
     )
     metric_window_seconds: int = Field(
         default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "
-        "router readings of this many seconds, so that one busy moment neither adds a replica nor keeps one; a single "
-        "reading that needs at least twice the ready replicas is acted on at once. 0: the latest reading alone.",
+        "router readings of this many seconds, so that one busy moment neither adds a replica nor keeps one; a load "
+        "over the last tenth of the window (at least two readings) that needs at least twice the ready replicas is "
+        "acted on at once. 0: the latest reading alone. SLO attainment is taken over the same window (at least 10 s) "
+        "since the number of ready replicas last changed.",
         ge=0, le=600,
     )
     scale_up_stabilization_seconds: int = Field(

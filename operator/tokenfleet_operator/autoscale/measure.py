@@ -17,7 +17,7 @@ from tokenfleet_serving.contract.cost import cost_per_million_tokens, tokens_per
 from tokenfleet_serving.contract.router_metrics import Histogram, RouterReading
 
 GOODPUT_WINDOW_S = 300.0           # status.goodput and status.cost: the last 5 minutes
-ATTAINMENT_WINDOW_S = 60.0         # the autoscaler's SLO signal: the last minute
+MIN_ATTAINMENT_WINDOW_S = 10.0     # the autoscaler's SLO signal: the metric window, at least this
 CAPACITY_WINDOW_S = 60.0           # capacity: the best minute that met the SLO
 MIN_TOKENS = 1000                  # fewer tokens in the window: no cost per token is shown
 KEEP_S = 600.0
@@ -167,18 +167,30 @@ def _load(reading: RouterReading, ready: set[str]) -> tuple[float, float, float,
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
     last ``window_s`` seconds (0: the latest reading alone) and over the last tenth of them (the panic window: at
-    least the latest reading); SLO attainment over the last minute."""
+    least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
+    since the number of ready replicas last changed, once that is MIN_ATTAINMENT_WINDOW_S ago: the misses of a
+    smaller fleet are not the present one's, and counting them would add replica after replica to a fleet that
+    already meets the SLO."""
     latest = history.latest if history else None
     if history is None or latest is None:
         return None
     r = latest.reading
     loads = [_load(e.reading, ready_serving_pods) for e in history.entries if latest.at - e.at <= window_s]
-    panic = [_load(e.reading, ready_serving_pods) for e in history.entries
-             if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE] or [_load(r, ready_serving_pods)]
+    recent_entries = [e for e in history.entries if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE]
+    if window_s > 0 and len(recent_entries) < 2:              # one reading alone is a blip, not a surge
+        recent_entries = list(history.entries)[-2:]
+    panic = [_load(e.reading, ready_serving_pods) for e in recent_entries] or [_load(r, ready_serving_pods)]
     requests, waiting = sum(x[0] for x in panic) / len(panic), sum(x[1] for x in panic) / len(panic)
     kvs = [k for *_, k in loads if k is not None]
-    last_minute = window(history, ATTAINMENT_WINDOW_S)
-    attainment = last_minute.request_ratio if last_minute else None
+    since = latest
+    for e in reversed(history.entries):
+        if e.ready_replicas != latest.ready_replicas:
+            break
+        since = e
+    stable_s = latest.at - since.at
+    recent = window(history, min(max(window_s, MIN_ATTAINMENT_WINDOW_S), stable_s)) \
+        if stable_s >= MIN_ATTAINMENT_WINDOW_S - 1e-9 else None
+    attainment = recent.request_ratio if recent else None
     return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
                    requests=sum(x[0] for x in loads) / len(loads),
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,

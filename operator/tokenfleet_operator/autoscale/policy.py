@@ -6,13 +6,14 @@ Signals (``Signals``), read from the service's router by the collector:
   ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
   replica is up; like the two below, the mean over ``metricWindowSeconds`` of readings, so that one busy moment
   of a bursty arrival process neither adds a replica nor, through the scale-down window, keeps one. The mean
-  over the last tenth of that window (the "panic window", at least the latest reading) that alone needs at
+  over the last tenth of that window (the "panic window", at least the last two readings) that alone needs at
   least ``PANIC_FACTOR`` times the ready replicas is acted on at once (Knative's "panic mode"): a real surge
   does not wait for the mean;
 - waiting requests alone (the engines' queues, plus those the router holds), with a target of their own when
   ``targetWaitingPerReplica`` is set: a queue means requests wait for a batch slot, which TTFT feels first;
 - KV-cache usage: the mean over the ready replicas (0..1);
-- SLO attainment: the share of recent requests that met ``spec.slo`` (TTFT and TPOT), when there were any.
+- SLO attainment: the share of recent requests that met ``spec.slo`` (TTFT and TPOT), when there were any: over
+  the metric window, and only since the number of ready replicas last changed.
 
 Each signal with a target says how many replicas it needs, as the HPA does: requests / target per replica;
 replicas x usage / target usage; and one more than the ready replicas while attainment is below its target. A
@@ -147,8 +148,8 @@ def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
         n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
         needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))
     if s.slo_attainment is not None and s.slo_attainment < t.slo_attainment:
-        # one more than the replicas serving now: a replica that is still starting has not had its chance, and
-        # the attainment of the last minute does not change from one pass to the next while it starts
+        # one more than the replicas serving now: a replica that is still starting has not had its chance (the
+        # attainment is of the requests since the ready replicas last changed, measure.signals)
         needs.append((s.ready_replicas + 1, Why.SLO,
                       f"{s.slo_attainment:.1%} of requests met the SLO, target {t.slo_attainment:.1%}"))
     return needs

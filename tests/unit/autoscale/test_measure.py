@@ -118,11 +118,12 @@ def test_cold_start_and_price_history():
     assert prices.mean(300, 300) == pytest.approx(15.0)
 
 
-def test_load_signals_are_the_mean_over_the_window_and_the_latest_reading_is_kept_beside_it():
+def test_load_signals_are_the_mean_over_the_window_and_the_latest_readings_are_kept_beside_it():
     h = history(*[(t, reading(load={"a-0": n, "b-0": 0}, kv={"a-0": k, "b-0": k}), 2)
                   for t, n, k in ((0, 40, 0.9), (10, 2, 0.2), (20, 4, 0.4), (30, 6, 0.6))])
     s = signals(h, {"a-0", "b-0"}, window_s=20)
-    assert s.requests == pytest.approx(4.0) and s.requests_now == 6          # the reading at 0 s is outside
+    assert s.requests == pytest.approx(4.0) and s.requests_now == 5          # the reading at 0 s is outside;
+    # the panic window (2 s) holds one reading, so it takes the last two
     assert s.kv_cache_usage == pytest.approx(0.4)
     latest_only = signals(h, {"a-0", "b-0"})
     assert latest_only.requests == latest_only.requests_now == 6 and latest_only.kv_cache_usage == pytest.approx(0.6)
@@ -132,4 +133,21 @@ def test_the_panic_signal_is_the_mean_over_the_last_tenth_of_the_window():
     h = history(*[(t, reading(load={"a-0": n}), 1) for t, n in ((0, 2), (26, 2), (28, 20), (30, 4))])
     s = signals(h, {"a-0"}, window_s=30)                      # panic window 3 s: the readings at 28 and 30 s
     assert s.requests == pytest.approx(7.0) and s.requests_now == pytest.approx(12.0)
-    assert signals(h, {"a-0"}, window_s=10).requests_now == 4  # 1 s: the latest reading alone
+    # 1 s holds the latest reading alone: one reading is a blip, so the panic signal takes the last two
+    assert signals(h, {"a-0"}, window_s=10).requests_now == pytest.approx(12.0)
+    assert signals(h, {"a-0"}, window_s=0).requests_now == 4  # 0: the latest reading, for both signals
+
+
+def test_slo_attainment_counts_only_since_the_ready_replicas_last_changed():
+    # 1 replica missed the SLO; the second became ready at 20 s, and since then every request met it
+    h = history((0, reading(met=0, missed=0), 1), (10, reading(met=5, missed=5), 1),
+                (20, reading(met=5, missed=8), 2), (30, reading(met=15, missed=8), 2))
+    assert signals(h, {"a-0"}, window_s=30).slo_attainment == 1.0        # 10 met of 10, from 20 s on
+    assert signals(h, {"a-0"}, window_s=0).slo_attainment == 1.0         # the window is at least 10 s
+    # from the moment the count changes until it is 10 s old, there is too little to judge the new fleet by
+    h.add(Entry(32, 1_700_000_032, reading(met=15, missed=9), 3))
+    assert signals(h, {"a-0"}, window_s=30).slo_attainment is None
+    h.add(Entry(40, 1_700_000_040, reading(met=16, missed=9), 3))
+    assert signals(h, {"a-0"}, window_s=30).slo_attainment is None
+    h.add(Entry(42, 1_700_000_042, reading(met=19, missed=9), 3))
+    assert signals(h, {"a-0"}, window_s=30).slo_attainment == 1.0         # 4 met of 4 since 32 s
