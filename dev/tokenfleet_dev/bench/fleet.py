@@ -49,6 +49,7 @@ import yaml
 
 from tokenfleet_dev.bench import fleet_metrics as fm
 from tokenfleet_dev.bench.fleet_metrics import Phase, Slo
+from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
 
 REPO = Path(__file__).resolve().parents[3]
 GROUP, VERSION = "tokenfleet.dev", "v1alpha1"
@@ -63,12 +64,18 @@ NOSHARING_POLICIES = ("prefix-aware", "least-load")
 FIRST_TOKEN_ID = 5          # ids below are the tokenizer's special tokens
 
 
-# The plateau's rate and the autoscaler's target: the small model answers a request in about 50 ms, so at the
-# API's default target (8 in flight per replica) one replica takes any rate these two cores can serve, and the
-# trace would show no scaling at all (measured: 3 requests/s kept one replica). 12/s with 2 in flight per
-# replica makes the plateau and the burst need 2-3 replicas.
-DEFAULT_RATE = 12.0
+# The plateau's rate, the autoscaler's target and each replica's CPU: the small model answers a request in about
+# 50 ms, so at the API's default target (8 in flight per replica) one replica takes any rate these two cores can
+# serve, and the trace would show no scaling at all (measured: 3 requests/s kept one replica). Each replica is
+# limited to 400m of CPU (the pod runner enforces it), so that it has a capacity of its own, as a replica on its
+# own accelerator has: one such replica keeps up with about 8-10 requests/s of this trace's prompts (measured
+# with 500m on the AVX2 host), and 8/s with 2 in flight per replica makes the plateau and the burst need 2-4.
+DEFAULT_RATE = 8.0
 DEFAULT_TARGET_REQUESTS_PER_REPLICA = 2.0
+DEFAULT_REPLICA_CPU = "400m"
+# The trace's phases last 13-51 s (at --trace-scale 0.8) where a real day's last minutes to hours: the autoscaler's
+# windows are shortened with them, or a 30 s mean would still see the burst when the ramp-down is over.
+DEFAULT_METRIC_WINDOW_S = 10
 
 
 def default_trace(scale: float = 1.0, rate: float = DEFAULT_RATE) -> list[Phase]:
@@ -97,7 +104,12 @@ class Settings:
     slo_ttft_ms: int | None = None             # None: from the static run's plateau
     slo_tpot_ms: int | None = None
     target_requests_per_replica: float = DEFAULT_TARGET_REQUESTS_PER_REPLICA
-    scale_down_stabilization_s: int = 20
+    # each replica's resources.limits.cpu (the pod runner enforces it with a CFS quota, as the kubelet does), so
+    # that a replica has a capacity of its own, as one with its own accelerator has, and an added replica adds
+    # capacity instead of sharing the others' cores
+    replica_cpu: str | None = DEFAULT_REPLICA_CPU
+    scale_down_stabilization_s: int = 15
+    metric_window_s: int = DEFAULT_METRIC_WINDOW_S
     scale_to_zero_after_s: int = 20
     collect_seconds: float = 2.0
     seed: int = 15
@@ -112,6 +124,8 @@ class Settings:
     w4_max_tokens: int = 16
     w4_kv_mb: int = 12
     w4_nosharing_rounds: int = 2               # runs of each no-sharing policy, alternated (A B B A)
+    w4_load_factor: float | None = None        # routing.loadFactor / loadSlack of the W4 services (None: the API's)
+    w4_load_slack: int | None = None
     policies: tuple[str, ...] = POLICIES
     nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
     skip_autoscale: bool = False
@@ -185,7 +199,8 @@ class Cluster:
 
     # ---- InferenceServices
     def manifest(self, name: str, *, replicas: int, engine: dict, policy: str = "prefix-aware",
-                 slo: Slo | None = None, autoscaling: dict | None = None) -> dict:
+                 slo: Slo | None = None, autoscaling: dict | None = None, cpu: str | None = None,
+                 routing: dict | None = None) -> dict:
         spec: dict[str, Any] = {
             "model": {"hostPath": {"path": str(self.model_dir)}, "servedModelNames": ["bench"]},
             "replicas": replicas,
@@ -195,10 +210,12 @@ class Cluster:
                        "maxNumBatchedTokens": 512, "enablePrefixCaching": True,
                        # one torch thread per replica: the replicas share the host's cores as accelerators would not
                        "extraArgs": ["--num-threads", "1"], **engine},
-            "routing": {"policy": policy},
+            "routing": {"policy": policy, **(routing or {})},
             "price": PRICE,
             "image": IMAGE,
         }
+        if cpu:
+            spec["resources"] = {"limits": {"cpu": cpu}}
         if slo is not None:
             spec["slo"] = {"timeToFirstTokenMs": round(slo.ttft_s * 1000), "timePerOutputTokenMs": round(slo.tpot_s * 1000),
                            "percentile": 95}
@@ -385,7 +402,24 @@ def summarize_trace(run: dict[str, Any], s: Settings, slo: Slo) -> dict[str, Any
         "client_send_lag_max_s": round(max(lags), 3) if lags else None,
         "timeline": [{"t": round(x["t"] - start, 2), "slices": x["slices"], "ready": x["ready"],
                       "desired": x["desired"]} for x in good],
+        "decisions": autoscaler_decisions(good, start),
     }
+
+
+def autoscaler_decisions(samples: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+    """Each change of status.autoscaling's reason or message, with the signals it read: why the replicas moved."""
+    out: list[dict[str, Any]] = []
+    last = None
+    for x in samples:
+        a = x.get("autoscaling") or {}
+        key = (a.get("reason"), a.get("message"))
+        if a and key != last:
+            last = key
+            out.append({"t": round(x["t"] - start, 2), "desired": x["desired"], "reason": a.get("reason"),
+                        "message": a.get("message"),
+                        **{k: a.get(k) for k in ("requestsPerReplica", "waitingPerReplica", "kvCacheUsage",
+                                                 "sloAttainment") if k in a}})
+    return out
 
 
 def slo_from_static(static: dict[str, Any], s: Settings) -> tuple[Slo, str]:
@@ -404,7 +438,7 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     engine = {"kvCacheMb": 64}
     log = cluster.log
     log(f"(a) static: {s.max_replicas} replicas, trace of {fm.trace_duration(s.trace):.0f}s")
-    cluster.apply(cluster.manifest("static", replicas=s.max_replicas, engine=engine))
+    cluster.apply(cluster.manifest("static", replicas=s.max_replicas, engine=engine, cpu=s.replica_cpu))
     cluster.wait_routable("static", s.max_replicas, 600)
     static_run = play_trace(cluster, "static", s, "static")
     slo, how = slo_from_static(static_run, s)
@@ -414,9 +448,11 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     autoscaling = {"targetRequestsPerReplica": s.target_requests_per_replica, "scaleUpStabilizationSeconds": 0,
                    "scaleDownStabilizationSeconds": s.scale_down_stabilization_s, "maxScaleUpReplicas": s.max_replicas,
                    "maxScaleDownReplicas": 1, "scaleToZeroAfterSeconds": s.scale_to_zero_after_s,
-                   "drainTimeoutSeconds": 60, "pendingTimeoutSeconds": 300}
+                   "drainTimeoutSeconds": 60, "pendingTimeoutSeconds": 300,
+                   "metricWindowSeconds": s.metric_window_s}
     log(f"(a) autoscaled: 0..{s.max_replicas} replicas, starting at 1")
-    cluster.apply(cluster.manifest("auto", replicas=1, engine=engine, slo=slo, autoscaling=autoscaling))
+    cluster.apply(cluster.manifest("auto", replicas=1, engine=engine, slo=slo, autoscaling=autoscaling,
+                                   cpu=s.replica_cpu))
     cluster.wait_routable("auto", 1, 600)
     auto_run = play_trace(cluster, "auto", s, "autoscaled")
 
@@ -473,7 +509,9 @@ def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: 
     name = f"{'w4' if sharing else 'ns'}-{policy}{suffix}"
     cluster.log(f"(b) {'W4' if sharing else 'no-sharing'} under {policy}: {s.w4_replicas} fresh replicas, "
                 f"{s.w4_clients} clients for {s.w4_seconds:.0f}s")
-    cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb}, policy=policy))
+    bound = {k: v for k, v in (("loadFactor", s.w4_load_factor), ("loadSlack", s.w4_load_slack)) if v is not None}
+    cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb}, policy=policy,
+                                   routing=bound))
     url = cluster.wait_routable(name, s.w4_replicas, 600)
     ips = {p.status.pod_ip for p in cluster.pods(name, "serve") if p.status.pod_ip}
     closed = {"clients": s.w4_clients, "duration_s": s.w4_seconds, "max_tokens": s.w4_max_tokens, "seed": s.seed,
@@ -554,13 +592,15 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     parts: dict[str, list[dict[str, Any]]] = {p: [] for p in s.nosharing_policies}
     for i, p in enumerate(order):
         parts[p].append(w4_run(cluster, s, p, False, prefixes, suffix=f"-{i}"))
-    control = {p: w4_summary(p, False, r) for p, r in parts.items()}
+    control = {p: w4_summary(p, False, r) for p, r in parts.items() if r}
     p95 = {p: r["ttft_p95_s"] for p, r in runs.items()}
     rr, pa = p95.get("round-robin"), p95.get("prefix-aware")
     ns_pa, ns_ll = control.get("prefix-aware", {}).get("ttft_p95_s"), control.get("least-load", {}).get("ttft_p95_s")
     return {
         "replicas": s.w4_replicas, "clients": s.w4_clients, "seconds_per_policy": s.w4_seconds,
         "nosharing_rounds": s.w4_nosharing_rounds,
+        "load_bound": {"load_factor": DEFAULT_LOAD_FACTOR if s.w4_load_factor is None else s.w4_load_factor,
+                       "load_slack": DEFAULT_LOAD_SLACK if s.w4_load_slack is None else s.w4_load_slack},
         "warmup_seconds_left_out": s.w4_warmup_s,
         "prefixes": s.w4_prefixes, "prefix_tokens": s.w4_prefix_tokens, "suffix_tokens": s.w4_suffix_tokens,
         "max_tokens": s.w4_max_tokens,
@@ -688,9 +728,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     a, w = result.get("autoscale"), result.get("w4")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    if a and w:
+        fig, (ax_a, ax_w) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    else:                                   # one part skipped: one panel
+        fig, ax_one = plt.subplots(1, 1, figsize=(9 if a else 5, 4.5))
+        ax_a = ax_w = ax_one
     if a:
-        ax = axes[0]
+        ax = ax_a
         for label, run, style in (("static", a["static"], "--"), ("autoscaled", a["autoscaled"], "-")):
             tl = run["timeline"]
             ax.step([x["t"] for x in tl], [x["slices"] for x in tl], style, where="post", label=f"replicas, {label}")
@@ -713,7 +757,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(lines_ + l2, labels_ + lab2, loc="center right", fontsize=8)
         ax.set_title(f"replicas and offered load (replica-seconds ratio {_f(a['replica_seconds_ratio'], '{:.2f}')})")
     if w:
-        ax = axes[1]
+        ax = ax_w
         names = [*w["policies"], *[f"no-sharing\n{p}" for p in w["nosharing"]]]
         values = [r["ttft_p95_s"] or 0 for r in [*w["policies"].values(), *w["nosharing"].values()]]
         ax.bar(range(len(names)), values, color=["C0"] * len(w["policies"]) + ["C7"] * len(w["nosharing"]))
@@ -732,12 +776,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     s = Settings()
     s = replace(s, trace=default_trace(args.trace_scale, args.rate), max_replicas=args.max_replicas,
                 slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                target_requests_per_replica=args.target_requests_per_replica,
-                scale_down_stabilization_s=args.scale_down_stabilization, scale_to_zero_after_s=args.scale_to_zero_after,
+                target_requests_per_replica=args.target_requests_per_replica, replica_cpu=args.replica_cpu or None,
+                scale_down_stabilization_s=args.scale_down_stabilization, metric_window_s=args.metric_window,
+                scale_to_zero_after_s=args.scale_to_zero_after,
                 collect_seconds=args.collect_seconds, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 seed=args.seed, w4_replicas=args.w4_replicas,
                 w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
-                w4_nosharing_rounds=args.w4_nosharing_rounds, policies=tuple(args.policies.split(",")),
+                w4_nosharing_rounds=args.w4_nosharing_rounds, w4_load_factor=args.w4_load_factor,
+                w4_load_slack=args.w4_load_slack, policies=tuple(args.policies.split(",")),
                 nosharing_policies=tuple(args.nosharing_policies.split(",")),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
     return s
@@ -758,7 +804,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-ms", type=int)
     ap.add_argument("--target-requests-per-replica", type=float, default=DEFAULT_TARGET_REQUESTS_PER_REPLICA,
                     help="spec.autoscaling.targetRequestsPerReplica (the API's default is 8)")
-    ap.add_argument("--scale-down-stabilization", type=int, default=20)
+    ap.add_argument("--replica-cpu", default=DEFAULT_REPLICA_CPU,
+                    help="resources.limits.cpu of each replica in the autoscaling part ('' for none)")
+    ap.add_argument("--scale-down-stabilization", type=int, default=Settings.scale_down_stabilization_s)
+    ap.add_argument("--metric-window", type=int, default=DEFAULT_METRIC_WINDOW_S,
+                    help="spec.autoscaling.metricWindowSeconds (the API's default is 30)")
     ap.add_argument("--scale-to-zero-after", type=int, default=20)
     ap.add_argument("--collect-seconds", type=float, default=2.0, help="the operator's --collect-seconds")
     ap.add_argument("--seed", type=int, default=15)
@@ -771,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nosharing-policies", default=",".join(NOSHARING_POLICIES))
     ap.add_argument("--w4-nosharing-rounds", type=int, default=Settings.w4_nosharing_rounds,
                     help="runs of each no-sharing policy, alternated A B B A and pooled")
+    ap.add_argument("--w4-load-factor", type=float, help="routing.loadFactor of the W4 services (default: the API's)")
+    ap.add_argument("--w4-load-slack", type=int, help="routing.loadSlack of the W4 services (default: the API's)")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)
