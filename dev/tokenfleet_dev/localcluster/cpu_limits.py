@@ -121,17 +121,17 @@ class CpuLimiter:
             pid = runner.name[len(prefix):]
             if runner == self.base or not runner.is_dir() or not pid.isdigit() or Path(f"/proc/{pid}").exists():
                 continue
-            for child in runner.iterdir():
-                if child.is_dir():
-                    self.remove(child)
-            self.remove(runner)
+            self._remove_runner_groups(runner)
 
     def close(self) -> None:
         """Remove every group of this runner whose processes are gone, then the runner's own."""
-        if self.base is None or not self.base.exists():
-            return
-        for child in self.base.iterdir():
+        if self.base is not None and self.base.exists():
+            self._remove_runner_groups(self.base)
+
+    def _remove_runner_groups(self, runner: Path) -> None:
+        """A runner's container groups whose processes are gone, then the runner's group if it is empty."""
+        for child in runner.iterdir():
             if child.is_dir():
                 self.remove(child)
-        self.remove(self.base)
+        self.remove(runner)
 

@@ -179,7 +179,7 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     recent_entries = [e for e in history.entries if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE]
     if window_s > 0 and len(recent_entries) < 2:              # one reading alone is a blip, not a surge
         recent_entries = list(history.entries)[-2:]
-    panic = [_load(e.reading, ready_serving_pods) for e in recent_entries] or [_load(r, ready_serving_pods)]
+    panic = [_load(e.reading, ready_serving_pods) for e in recent_entries]   # the latest reading is always in it
     requests, waiting = sum(x[0] for x in panic) / len(panic), sum(x[1] for x in panic) / len(panic)
     kvs = [k for *_, k in loads if k is not None]
     since = latest
