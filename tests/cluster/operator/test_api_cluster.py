@@ -75,6 +75,9 @@ INVALID = [
     (isvc("svc", warmRestart={"enabled": True, "maxMegabytes": 0},
           slicePolicy={"checkpoint": {"store": "pvc://cache/llama"}}), ["spec.warmRestart.maxMegabytes"]),
     (isvc("svc", routing={"migrationLimit": 11}), ["spec.routing.migrationLimit"]),
+    (isvc("svc", routing={"loadFactor": 0.5}), ["spec.routing.loadFactor", "greater than or equal to 1"]),
+    (isvc("svc", routing={"loadSlack": -1}), ["spec.routing.loadSlack"]),
+    (isvc("svc", maxReplicas=4, autoscaling={"metricWindowSeconds": 601}), ["spec.autoscaling.metricWindowSeconds"]),
 ]
 
 
@@ -174,6 +177,7 @@ def test_valid_objects_are_accepted_and_defaulted(installed, namespace):
     assert svc["spec"]["slicePolicy"]["restartPolicy"]["maxRestarts"] == 3
     assert svc["spec"]["warmRestart"] == {"enabled": False, "maxMegabytes": 256}
     assert svc["spec"]["routing"]["migrationLimit"] == 3
+    assert (svc["spec"]["routing"]["loadFactor"], svc["spec"]["routing"]["loadSlack"]) == (1.25, 4)
     warm = isvc("warm", warmRestart={"enabled": True}, slicePolicy={"checkpoint": {"store": "pvc://cache/llama",
                                                                                    "intervalSeconds": 60}})
     apply(installed, warm, namespace)
