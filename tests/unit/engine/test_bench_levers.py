@@ -85,3 +85,15 @@ def test_the_table_and_the_plot(tmp_path):
     assert "| baseline | WM | 10.0 | 36,000 | 55.556 |" in text and "ngram_speedup_batch1: 2" in text
     levers.plot(result, str(tmp_path / "levers.png"))
     assert (tmp_path / "levers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_ratio_of_paired_rounds_is_their_median():
+    def run(tps):
+        return levers.Run("r", 100, 100 / tps, [0.1], [0.01])
+    ratio, ratios = levers.paired_ratio([run(110), run(93), run(104)], [run(100), run(100), run(100)])
+    assert ratios == pytest.approx([1.1, 0.93, 1.04]) and ratio == pytest.approx(1.04)
+    # the rounds are paired: a slow round of both engines is a ratio of 1, not a loss for the lever
+    ratio, _ = levers.paired_ratio([run(50), run(100)], [run(50), run(100)])
+    assert ratio == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        levers.paired_ratio([run(1)], [run(1), run(2)])
