@@ -316,9 +316,10 @@ class AutoscalingSpec(ApiModel):
     metric_window_seconds: int = Field(
         default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "
         "router readings of this many seconds, so that one busy moment neither adds a replica nor keeps one; a load "
-        "over the last tenth of the window (at least two readings) that needs at least twice the ready replicas is "
-        "acted on at once. 0: the latest reading alone. SLO attainment is taken over the same window (at least 10 s) "
-        "since the number of ready replicas last changed.",
+        "over the last tenth of the window (at least two readings) that is at least twice what the replicas asked for "
+        "(ready or starting) are sized for is acted on at once. A scale-up looks one replica startup ahead along the "
+        "requests' rise over twice this window. 0: the latest reading alone, and no look-ahead. SLO attainment "
+        "is taken over the same window (at least 10 s) since the number of ready replicas last changed.",
         ge=0, le=600,
     )
     scale_up_stabilization_seconds: int = Field(
@@ -548,6 +549,13 @@ class AutoscalingStatus(ApiModel):
     running_per_replica: float | None = Field(default=None, description="Requests in the engines' batches per ready replica.")
     kv_cache_usage: float | None = Field(default=None, description="Mean KV-cache usage of the ready replicas.")
     pending_requests: int | None = Field(default=None, description="Requests the router holds because no replica is ready.")
+    requests_rise_per_second: float | None = Field(
+        default=None, description="How fast the requests in flight rise (their least-squares slope over twice "
+        "metricWindowSeconds, where clear of noise; 0 when flat or falling): a scale-up adds what they will need one "
+        "replica startup ahead.")
+    replica_startup_seconds: float | None = Field(
+        default=None, description="Seconds from a replica's Slice creation to its leader pod Ready, measured on the "
+        "newest ready replica: how far ahead a scale-up looks along a rise.")
     last_cold_start_seconds: float | None = Field(
         default=None, description="Mean arrival-to-first-token of the requests that last found no replica ready."
     )

@@ -21,6 +21,9 @@ MIN_ATTAINMENT_WINDOW_S = 10.0     # the autoscaler's SLO signal: the metric win
 CAPACITY_WINDOW_S = 60.0           # capacity: the best minute that met the SLO
 MIN_TOKENS = 1000                  # fewer tokens in the window: no cost per token is shown
 KEEP_S = 600.0
+TREND_WINDOWS = 2                  # the requests' trend: over twice the metric window,
+TREND_COVERAGE = 0.75              # ... once the history covers this much of it,
+TREND_SIGNIFICANCE = 2.0           # ... where the slope is at least this many standard errors
 
 
 def _hist_sum(hists: list[Histogram]) -> Histogram:
@@ -164,13 +167,39 @@ def _load(reading: RouterReading, ready: set[str]) -> tuple[float, float, float,
             sum(kv) / len(kv) if kv else None)
 
 
-def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0) -> Signals | None:
+def trend(points: list[tuple[float, float]], significance: float = 0.0) -> float:
+    """The least-squares slope of (seconds, value) points; 0 for fewer than three or no spread in time, and, with
+    ``significance`` > 0, where the slope is less than that many of its standard errors (noise, not a trend)."""
+    n = len(points)
+    if n < 3:
+        return 0.0
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    spread = sum((t - mt) ** 2 for t, _ in points)
+    if spread <= 0:
+        return 0.0
+    slope = sum((t - mt) * (v - mv) for t, v in points) / spread
+    if significance > 0:
+        residual = sum((v - mv - slope * (t - mt)) ** 2 for t, v in points) / (n - 2)
+        if abs(slope) < significance * math.sqrt(residual / spread):
+            return 0.0
+    return slope
+
+
+def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0,
+            startup_s: float | None = None) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
     last ``window_s`` seconds (0: the latest reading alone) and over the last tenth of them (the panic window: at
     least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
     since the number of ready replicas last changed, once that is MIN_ATTAINMENT_WINDOW_S ago: the misses of a
     smaller fleet are not the present one's, and counting them would add replica after replica to a fleet that
-    already meets the SLO."""
+    already meets the SLO.
+
+    The requests' rise: their slope over the readings of the last TREND_WINDOWS x ``window_s`` (twice as many as
+    the mean), once the history covers most of that, and only where the slope is at least TREND_SIGNIFICANCE
+    standard errors (a Poisson wobble is no rise). A scale-up looks ``startup_s`` (the replicas' measured startup;
+    never further than the trend window reaches back) ahead along the rise, plus half the
+    metric window, by which its mean lags a rising load."""
     latest = history.latest if history else None
     if history is None or latest is None:
         return None
@@ -191,12 +220,19 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     recent = window(history, min(max(window_s, MIN_ATTAINMENT_WINDOW_S), stable_s)) \
         if stable_s >= MIN_ATTAINMENT_WINDOW_S - 1e-9 else None
     attainment = recent.request_ratio if recent else None
+    mean_requests = sum(x[0] for x in loads) / len(loads)
+    trend_s = TREND_WINDOWS * window_s
+    rising, ahead = 0.0, 0.0
+    if trend_s > 0 and startup_s and latest.at - history.entries[0].at >= TREND_COVERAGE * trend_s:
+        rising = max(trend([(e.at, _load(e.reading, ready_serving_pods)[0]) for e in history.entries
+                            if latest.at - e.at <= trend_s], TREND_SIGNIFICANCE), 0.0)
+        ahead = min(startup_s, trend_s) + window_s / 2 if rising > 0 else 0.0
     return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
-                   requests=sum(x[0] for x in loads) / len(loads),
+                   requests=mean_requests,
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
                    slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0,
                    waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
-                   requests_now=requests, waiting_now=waiting)
+                   requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead)
 
 
 def goodput(history: ReadingHistory | None, percentile: float, seconds: float = GOODPUT_WINDOW_S) -> dict | None:

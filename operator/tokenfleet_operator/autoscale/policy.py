@@ -6,9 +6,15 @@ Signals (``Signals``), read from the service's router by the collector:
   ``num_requests_running`` of each, as the router polls them), plus the requests the router holds because no
   replica is up; like the two below, the mean over ``metricWindowSeconds`` of readings, so that one busy moment
   of a bursty arrival process neither adds a replica nor, through the scale-down window, keeps one. The mean
-  over the last tenth of that window (the "panic window", at least the last two readings) that alone needs at
-  least ``PANIC_FACTOR`` times the ready replicas is acted on at once (Knative's "panic mode"): a real surge
-  does not wait for the mean;
+  over the last tenth of that window (the "panic window", at least the last two readings) that is at least
+  ``PANIC_FACTOR`` times what the replicas already asked for (ready or starting) are sized for is acted on at
+  once (Knative's "panic mode"): a real surge does not wait for the mean, and the queue that the ready replicas
+  build while the new ones start, which those are on their way to take, is not one. While replicas asked for are
+  still starting, the mean asks for no more than those: they have not had their chance. While the requests rise
+  and no replica is starting, a scale-up looks ahead: the need is that of the mean plus the rise (its
+  least-squares slope, where clear of noise, ``measure.signals``) times the replicas' startup time (measured: a
+  replica's Slice created to its leader Ready; at most the trend window), so that a replica asked for now is
+  ready when the load arrives rather than a cold start after it;
 - waiting requests alone (the engines' queues, plus those the router holds), with a target of their own when
   ``targetWaitingPerReplica`` is set: a queue means requests wait for a batch slot, which TTFT feels first;
 - KV-cache usage: the mean over the ready replicas (0..1);
@@ -86,6 +92,10 @@ class Signals:
     # over the panic window, the latest readings (None: the same as the mean)
     requests_now: float | None = None
     waiting_now: float | None = None
+    # the rise of ``requests`` per second (least squares, where clear of noise; 0: flat, falling, unknown), and
+    # how far ahead a scale-up looks: the replicas' startup time, at most the trend window (0: not at all)
+    requests_trend: float = 0.0
+    lookahead_s: float = 0.0
 
     @property
     def latest_requests(self) -> float:
@@ -121,29 +131,50 @@ class Recommendation:
     limited: bool = False                 # the signals ask for more than maxReplicas
 
 
-def _load_need(mean: float, latest: float, target: float, ready: int) -> tuple[int, float, bool]:
-    """(replicas, load they were sized for, panic) for a load signal: its mean, unless the latest readings alone
-    need at least PANIC_FACTOR times the ready replicas. A mean within TOLERANCE of the ready replicas' target load
-    needs just them."""
+def _load_need(mean: float, latest: float, target: float, ready: int, asked: int,
+               ahead: float = 0.0) -> tuple[int, float, str]:
+    """(replicas, load they were sized for, how it was read) for a load signal: its mean, or the mean plus the
+    rise expected before a new replica is ready (``ahead``) where that needs more; or the latest readings where
+    they are at least PANIC_FACTOR times the load the replicas already asked for (``asked``, ready or starting)
+    are sized for. A mean within TOLERANCE of the ready replicas' target load needs just them. While replicas
+    asked for are still starting, the mean's need is at most those: they have not had their chance, and the
+    queue that the ready ones build meanwhile is what they are on their way to take."""
     n_mean = math.ceil(mean / target - 1e-9)
     if ready > 0 and abs(mean / (ready * target) - 1) <= TOLERANCE + 1e-9:
         n_mean = ready
+    how = ""
+    n_ahead = math.ceil((mean + ahead) / target - 1e-9)
+    if ahead > 0 and n_ahead > n_mean and (ready <= 0 or (mean + ahead) / (ready * target) - 1 > TOLERANCE + 1e-9):
+        n_mean, mean, how = n_ahead, mean + ahead, "ahead"
     n_latest = math.ceil(latest / target - 1e-9)
-    if n_latest > n_mean and n_latest >= PANIC_FACTOR * max(ready, 1):
-        return n_latest, latest, True
-    return n_mean, mean, False
+    if n_latest > n_mean and latest >= PANIC_FACTOR * target * max(asked, 1) - 1e-9:
+        return n_latest, latest, "now"
+    if asked > ready and n_mean > asked:
+        return asked, mean, "starting"
+    return n_mean, mean, how
+
+
+_HOW = {"": "", "ahead": "", "now": " now", "starting": ""}
 
 
 def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
     needs = []
+    starting = max(current - s.ready_replicas, 0)
     if t.requests_per_replica > 0:
-        n, load, panic = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas)
-        needs.append((n, Why.REQUESTS, f"{load:.3g} requests in flight{' now' if panic else ''}, target "
-                                       f"{t.requests_per_replica:g} per replica"))
+        # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
+        # no forecast of the load
+        ahead = 0.0 if starting else max(s.requests_trend, 0.0) * s.lookahead_s
+        n, load, how = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas, current,
+                                  ahead)
+        said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
+                f"(a replica's startup)" if how == "ahead" else f"{load:.3g} requests in flight{_HOW[how]}")
+        needs.append((n, Why.REQUESTS, f"{said}, target {t.requests_per_replica:g} per replica"
+                                       + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
-        n, load, panic = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas)
-        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{' now' if panic else ''}, "
-                                      f"target {t.waiting_per_replica:g} per replica"))
+        n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current)
+        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{_HOW[how]}, "
+                                      f"target {t.waiting_per_replica:g} per replica"
+                                      + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
         n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
         needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))

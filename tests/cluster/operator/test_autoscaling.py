@@ -119,6 +119,12 @@ def test_the_autoscaler_scales_above_the_count_the_service_was_created_with(clus
                        and o.get("status", {}).get("desiredReplicas") == 3 and o, 60, op)
         assert obj["status"]["autoscaling"]["reason"] == "RequestsPerReplica"
         assert obj["spec"]["replicas"] == 1                       # never written by the operator
+        # the look-ahead's startup, measured from the first replica's Slice and leader pod (kept by the API
+        # server's schema), and no rise in a load that stands still
+        first = get_json(cluster, "slices", "up-0", "-n", namespace)
+        started = obj["status"]["autoscaling"]["replicaStartupSeconds"]
+        assert first is not None and isinstance(started, (int, float)) and 0 <= started <= 120
+        assert obj["status"]["autoscaling"]["requestsRisePerSecond"] == 0
     finally:
         if server is not None:
             server.shutdown()

@@ -92,10 +92,12 @@ def test_min_replicas_is_a_floor_and_no_signal_changes_nothing():
 
 
 def test_one_busy_reading_neither_adds_a_replica_nor_keeps_one_but_a_surge_is_acted_on_at_once():
-    # the mean of the window asks for 2; the latest reading for 3, less than twice the 2 ready: the mean decides
+    # the mean of the window asks for 2; the latest readings for 4 (30 requests), less than twice the 16 that
+    # the 2 replicas are sized for: the mean decides
     assert recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=20.0), History(), 0).replicas == 2
-    # a reading that needs 4 = 2 x the ready replicas: a surge, acted on without waiting for the mean
-    r = recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=30.0), History(), 0)
+    assert recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=30.0), History(), 0).replicas == 2
+    # 32 = 2 x 2 replicas x 8: a surge, acted on without waiting for the mean
+    r = recommend(T, 2, Signals(2, 12.0, 0.1, None, requests_now=32.0), History(), 0)
     assert (r.replicas, r.reason) == (4, Why.REQUESTS) and "now" in r.message
     # scale-down follows the mean too: with the mean at 1 replica's worth, one busy reading does not hold 3
     h, t = History(), Targets(**{**T.__dict__, "scale_down_stabilization_s": 10})
@@ -112,3 +114,41 @@ def test_a_load_within_the_tolerance_of_the_ready_replicas_keeps_them():
     t = Targets(**{**T.__dict__, "max_replicas": 12, "scale_down_stabilization_s": 0})
     assert recommend(t, 10, sig(10, 72.0), History(), 0).replicas == 10
     assert recommend(t, 10, sig(10, 71.0), History(), 0).replicas == 9
+
+
+def test_the_queue_of_a_scale_up_under_way_is_no_surge_of_its_own():
+    # 1 replica ready and a second starting (2 asked for): 24 in flight on the ready one is what the 2 will share,
+    # short of twice their 16; the mean (12) would need 2 anyway
+    t = Targets(**{**T.__dict__, "max_replicas": 8})
+    assert recommend(t, 2, Signals(1, 12.0, 0.1, None, requests_now=24.0), History(), 0).replicas == 2
+    # with only the ready one asked for, the same reading is twice its 8: a surge
+    assert recommend(t, 1, Signals(1, 12.0, 0.1, None, requests_now=24.0), History(), 0).replicas == 3
+    # and twice what the 2 are sized for is a surge even while the second starts
+    assert recommend(t, 2, Signals(1, 12.0, 0.1, None, requests_now=40.0), History(), 0).replicas == 5
+
+
+def test_while_replicas_start_the_mean_asks_for_no_more_than_those():
+    t = Targets(**{**T.__dict__, "max_replicas": 8})
+    # the ready replica's mean of 20 would need 3; the 2 asked for have not all had their chance
+    r = recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0), History(), 0)
+    assert (r.replicas, r.reason) == (2, Why.REQUESTS) and "waiting for 1 starting" in r.message
+    # once both are ready, the same mean adds the third
+    assert recommend(t, 2, Signals(2, 20.0, 0.1, None, requests_now=20.0), History(), 0).replicas == 3
+
+
+def test_a_rising_load_scales_up_one_startup_ahead():
+    # 1 replica at 6 of its 8 requests, rising 0.5 per second; a replica takes 10 s to start: 11 by then
+    r = recommend(T, 1, Signals(1, 6.0, 0.1, None, requests_trend=0.5, lookahead_s=10), History(), 0)
+    assert (r.replicas, r.reason) == (2, Why.REQUESTS) and "in 10 s" in r.message
+    # the same rise with no startup to look ahead over, or flat, or a rise that stays within the tolerance of the
+    # ready replicas' 8 (6 + 0.25 x 10 = 8.5): just the ready one
+    assert recommend(T, 1, Signals(1, 6.0, 0.1, None, requests_trend=0.5, lookahead_s=0), History(), 0).replicas == 1
+    assert recommend(T, 1, Signals(1, 6.0, 0.1, None, requests_trend=0.0, lookahead_s=10), History(), 0).replicas == 1
+    assert recommend(T, 1, Signals(1, 6.0, 0.1, None, requests_trend=0.25, lookahead_s=10), History(), 0).replicas == 1
+    # a steep rise asks for what it will need, within maxReplicas and the step bound
+    r = recommend(T, 1, Signals(1, 6.0, 0.1, None, requests_trend=3.0, lookahead_s=10), History(), 0)
+    assert (r.replicas, r.limited) == (4, True)
+    # no look ahead while a replica asked for still starts: the ready one's climb is its queue, not the load
+    assert recommend(T, 2, Signals(1, 6.0, 0.1, None, requests_trend=3.0, lookahead_s=10), History(), 0).replicas == 2
+    # looking ahead only ever adds: a load the ready replicas are sized for is not cut by a flat trend
+    assert recommend(T, 3, Signals(3, 24.0, 0.1, None, requests_trend=0.0, lookahead_s=10), History(), 0).replicas == 3

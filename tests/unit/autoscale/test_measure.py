@@ -13,6 +13,7 @@ from tokenfleet_operator.autoscale.measure import (
     combine,
     goodput,
     signals,
+    trend,
     window,
     windowed_cost,
 )
@@ -151,3 +152,46 @@ def test_slo_attainment_counts_only_since_the_ready_replicas_last_changed():
     assert signals(h, {"a-0"}, window_s=30).slo_attainment is None
     h.add(Entry(42, 1_700_000_042, reading(met=19, missed=9), 3))
     assert signals(h, {"a-0"}, window_s=30).slo_attainment == 1.0         # 4 met of 4 since 32 s
+
+
+def test_the_trend_is_the_least_squares_slope_where_it_stands_out_of_the_noise():
+    assert trend([(0, 1.0), (2, 2.0), (4, 3.0)]) == pytest.approx(0.5)
+    assert trend([(0, 3.0), (2, 2.0), (4, 1.0)]) == pytest.approx(-0.5)
+    assert trend([(0, 1.0), (2, 9.0)]) == 0.0                  # two points are no trend
+    assert trend([(5, 1.0), (5, 2.0), (5, 3.0)]) == 0.0        # nor is one moment
+    wobble = [(0, 5.0), (2, 9.0), (4, 4.0), (6, 8.0), (8, 5.0), (10, 9.0)]
+    assert trend(wobble) > 0 and trend(wobble, significance=2.0) == 0.0
+    rise = [(t, 1.0 + 0.5 * t + (0.2 if t % 4 else -0.2)) for t in range(0, 12, 2)]
+    assert trend(rise, significance=2.0) == pytest.approx(0.5, abs=0.05)
+
+
+def rising(load, seconds, step=2):
+    """Readings every ``step`` s of one ready replica with ``load(t)`` requests in flight."""
+    h = ReadingHistory()
+    for t in range(0, seconds + 1, step):
+        h.add(Entry(t, 1_700_000_000 + t, reading(load={"a-0": load(t)}), 1))
+    return h
+
+
+def test_a_rise_is_looked_ahead_over_a_replica_startup():
+    h = rising(lambda t: 1 + t / 4, 40)                       # 0.25 more requests in flight each second
+    s = signals(h, {"a-0"}, window_s=10, startup_s=8)
+    assert s.requests_trend == pytest.approx(0.25)
+    assert s.lookahead_s == 8 + 5                       # the startup, plus the half window the mean lags by
+    # never further than the trend window (20 s) reaches back, plus that half window
+    assert signals(h, {"a-0"}, window_s=10, startup_s=90).lookahead_s == 25
+    # no startup measured yet, or no window: no look ahead
+    assert signals(h, {"a-0"}, window_s=10).requests_trend == 0.0
+    assert signals(h, {"a-0"}, window_s=0, startup_s=8).requests_trend == 0.0
+    # a history shorter than most of the trend window says nothing about a trend yet
+    assert signals(rising(lambda t: 1 + t / 4, 12), {"a-0"}, window_s=10, startup_s=8).requests_trend == 0.0
+    # only the ready replicas' load counts, as for the mean
+    assert signals(h, {"b-0"}, window_s=10, startup_s=8).requests_trend == 0.0
+
+
+def test_a_falling_or_wobbling_load_has_no_rise():
+    s = signals(rising(lambda t: 11 - t / 4, 40), {"a-0"}, window_s=10, startup_s=8)
+    assert (s.requests_trend, s.lookahead_s) == (0.0, 0.0)
+    # Poisson-like readings around 3 whose least-squares slope is positive but well inside its noise
+    wobbly = rising(lambda t: {20: 1, 22: 5, 24: 2, 26: 6, 28: 1, 30: 4, 32: 2, 34: 5, 36: 3, 38: 4, 40: 3}.get(t, 3), 40)
+    assert signals(wobbly, {"a-0"}, window_s=10, startup_s=8).requests_trend == 0.0
