@@ -96,6 +96,9 @@ class Signals:
     # how far ahead a scale-up looks: the replicas' startup time, at most the trend window (0: not at all)
     requests_trend: float = 0.0
     lookahead_s: float = 0.0
+    # serving pods Ready in Kubernetes (None: ready_replicas); the replicas asked for beyond them are starting. The
+    # router may not have polled a pod that just became Ready, and such a replica is not starting any more.
+    ready_pods: int | None = None
 
     @property
     def latest_requests(self) -> float:
@@ -132,7 +135,7 @@ class Recommendation:
 
 
 def _load_need(mean: float, latest: float, target: float, ready: int, asked: int,
-               ahead: float = 0.0) -> tuple[int, float, str]:
+               ahead: float = 0.0, starting: bool = False) -> tuple[int, float, str]:
     """(replicas, load they were sized for, how it was read) for a load signal: its mean, or the mean plus the
     rise expected before a new replica is ready (``ahead``) where that needs more; or the latest readings where
     they are at least PANIC_FACTOR times the load the replicas already asked for (``asked``, ready or starting)
@@ -149,7 +152,7 @@ def _load_need(mean: float, latest: float, target: float, ready: int, asked: int
     n_latest = math.ceil(latest / target - 1e-9)
     if n_latest > n_mean and latest >= PANIC_FACTOR * target * max(asked, 1) - 1e-9:
         return n_latest, latest, "now"
-    if asked > ready and n_mean > asked:
+    if starting and n_mean > asked:
         return asked, mean, "starting"
     return n_mean, mean, how
 
@@ -159,19 +162,20 @@ _HOW = {"": "", "ahead": "", "now": " now", "starting": ""}
 
 def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
     needs = []
-    starting = max(current - s.ready_replicas, 0)
+    starting = max(current - (s.ready_replicas if s.ready_pods is None else s.ready_pods), 0)
     if t.requests_per_replica > 0:
         # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
         # no forecast of the load
         ahead = 0.0 if starting else max(s.requests_trend, 0.0) * s.lookahead_s
         n, load, how = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas, current,
-                                  ahead)
+                                  ahead, starting > 0)
         said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
                 f"(a replica's startup)" if how == "ahead" else f"{load:.3g} requests in flight{_HOW[how]}")
         needs.append((n, Why.REQUESTS, f"{said}, target {t.requests_per_replica:g} per replica"
                                        + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
-        n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current)
+        n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current,
+                                  starting=starting > 0)
         needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{_HOW[how]}, "
                                       f"target {t.waiting_per_replica:g} per replica"
                                       + (f"; waiting for {starting} starting" if how == "starting" else "")))

@@ -134,6 +134,9 @@ def test_while_replicas_start_the_mean_asks_for_no_more_than_those():
     assert (r.replicas, r.reason) == (2, Why.REQUESTS) and "waiting for 1 starting" in r.message
     # once both are ready, the same mean adds the third
     assert recommend(t, 2, Signals(2, 20.0, 0.1, None, requests_now=20.0), History(), 0).replicas == 3
+    # a replica whose pod is Ready is not starting, even before the router has polled it
+    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=2), History(), 0).replicas == 3
+    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=1), History(), 0).replicas == 2
 
 
 def test_a_rising_load_scales_up_one_startup_ahead():
