@@ -317,8 +317,9 @@ class AutoscalingSpec(ApiModel):
         default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "
         "router readings of this many seconds, so that one busy moment neither adds a replica nor keeps one; a load "
         "over the last tenth of the window (at least two readings) that is at least twice what the replicas asked for "
-        "(ready or starting) are sized for is acted on at once. A scale-up looks one replica startup ahead along the "
-        "requests' rise over twice this window. 0: the latest reading alone, and no look-ahead. SLO attainment "
+        "(ready or starting) are sized for is acted on at once. While no replica starts, a scale-up looks one replica "
+        "startup plus half this window ahead along the requests' rise over twice this window. 0: the latest reading "
+        "alone, and no look-ahead. SLO attainment "
         "is taken over the same window (at least 10 s) since the number of ready replicas last changed.",
         ge=0, le=600,
     )
@@ -551,11 +552,13 @@ class AutoscalingStatus(ApiModel):
     pending_requests: int | None = Field(default=None, description="Requests the router holds because no replica is ready.")
     requests_rise_per_second: float | None = Field(
         default=None, description="How fast the requests in flight rise (their least-squares slope over twice "
-        "metricWindowSeconds, where clear of noise; 0 when flat or falling): a scale-up adds what they will need one "
-        "replica startup ahead.")
+        "metricWindowSeconds since the ready replicas last changed, where clear of noise; 0 when flat or falling): "
+        "while no replica starts, a scale-up adds what they will need one replica startup (at most the trend window) "
+        "plus half metricWindowSeconds ahead.")
     replica_startup_seconds: float | None = Field(
-        default=None, description="Seconds from a replica's Slice creation to its leader pod Ready, measured on the "
-        "newest ready replica: how far ahead a scale-up looks along a rise.")
+        default=None, description="Seconds from a replica's Slice creation (or its leader pod's, if later) to that pod "
+        "Ready, measured on the newest ready replica: how far ahead a scale-up looks along a rise, and how long a "
+        "replica that is not Ready counts as starting (3 startups, at least 60 s).")
     last_cold_start_seconds: float | None = Field(
         default=None, description="Mean arrival-to-first-token of the requests that last found no replica ready."
     )

@@ -23,7 +23,8 @@ MIN_TOKENS = 1000                  # fewer tokens in the window: no cost per tok
 KEEP_S = 600.0
 TREND_WINDOWS = 2                  # the requests' trend: over twice the metric window,
 TREND_COVERAGE = 0.75              # ... once the history covers this much of it,
-TREND_SIGNIFICANCE = 2.0           # ... where the slope is at least this many standard errors
+TREND_SIGNIFICANCE = 2.0           # ... where the slope is at least this many standard errors,
+TREND_MIN_READINGS = 6             # ... over at least this many readings since the ready replicas last changed
 
 
 def _hist_sum(hists: list[Histogram]) -> Histogram:
@@ -81,6 +82,7 @@ class Entry:
     wall: float                    # unix time
     reading: RouterReading
     ready_replicas: int
+    baseline: bool = False         # the zeros assumed at a router's start (its counters), not a reading of gauges
 
 
 @dataclass
@@ -196,18 +198,21 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     already meets the SLO.
 
     The requests' rise: their slope over the readings of the last TREND_WINDOWS x ``window_s`` (twice as many as
-    the mean), once the history covers most of that, and only where the slope is at least TREND_SIGNIFICANCE
-    standard errors (a Poisson wobble is no rise). A scale-up looks ``startup_s`` (the replicas' measured startup;
-    never further than the trend window reaches back) ahead along the rise, plus half the
-    metric window, by which its mean lags a rising load."""
+    the mean) since the ready replicas last changed (at least TREND_MIN_READINGS), once the history covers most
+    of that, and only where the slope is at least TREND_SIGNIFICANCE standard errors (a Poisson wobble is no
+    rise). A scale-up looks ``startup_s`` (the replicas' measured startup; never further than the trend window
+    reaches back) ahead along the rise, plus half the metric window, by which its mean lags a rising load. The
+    zeros assumed at a router's start (``Entry.baseline``) count for the counters' windows only, not as a
+    reading of the load."""
     latest = history.latest if history else None
     if history is None or latest is None:
         return None
     r = latest.reading
-    loads = [_load(e.reading, ready_serving_pods) for e in history.entries if latest.at - e.at <= window_s]
-    recent_entries = [e for e in history.entries if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE]
+    readings = [e for e in history.entries if not e.baseline]        # the gauges' readings
+    loads = [_load(e.reading, ready_serving_pods) for e in readings if latest.at - e.at <= window_s]
+    recent_entries = [e for e in readings if latest.at - e.at <= window_s * PANIC_WINDOW_SHARE]
     if window_s > 0 and len(recent_entries) < 2:              # one reading alone is a blip, not a surge
-        recent_entries = list(history.entries)[-2:]
+        recent_entries = readings[-2:]
     panic = [_load(e.reading, ready_serving_pods) for e in recent_entries]   # the latest reading is always in it
     requests, waiting = sum(x[0] for x in panic) / len(panic), sum(x[1] for x in panic) / len(panic)
     kvs = [k for *_, k in loads if k is not None]
@@ -223,9 +228,13 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     mean_requests = sum(x[0] for x in loads) / len(loads)
     trend_s = TREND_WINDOWS * window_s
     rising, ahead = 0.0, 0.0
-    if trend_s > 0 and startup_s and latest.at - history.entries[0].at >= TREND_COVERAGE * trend_s:
-        rising = max(trend([(e.at, _load(e.reading, ready_serving_pods)[0]) for e in history.entries
-                            if latest.at - e.at <= trend_s], TREND_SIGNIFICANCE), 0.0)
+    if trend_s > 0 and startup_s and latest.at - readings[0].at >= TREND_COVERAGE * trend_s:
+        # since the ready replicas last changed: the queue a fleet built while a replica started, and its
+        # draining once it serves, are no trend of the load
+        points = [(e.at, _load(e.reading, ready_serving_pods)[0]) for e in readings
+                  if latest.at - e.at <= trend_s and e.at >= since.at]
+        if len(points) >= TREND_MIN_READINGS:
+            rising = max(trend(points, TREND_SIGNIFICANCE), 0.0)
         ahead = min(startup_s, trend_s) + window_s / 2 if rising > 0 else 0.0
     return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
                    requests=mean_requests,

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-# A panic-window load whose need is at least this many times the ready replicas is acted on without averaging.
+# A panic-window load of at least this many times what the replicas asked for are sized for is acted on at once.
 PANIC_FACTOR = 2.0
 # The panic window's share of the metric window (Knative's default: 10 %).
 PANIC_WINDOW_SHARE = 0.1
@@ -93,11 +93,12 @@ class Signals:
     requests_now: float | None = None
     waiting_now: float | None = None
     # the rise of ``requests`` per second (least squares, where clear of noise; 0: flat, falling, unknown), and
-    # how far ahead a scale-up looks: the replicas' startup time, at most the trend window (0: not at all)
+    # how far ahead a scale-up looks: the replicas' startup time (at most the trend window) plus half the metric
+    # window (0: not at all)
     requests_trend: float = 0.0
     lookahead_s: float = 0.0
-    # serving pods Ready in Kubernetes (None: ready_replicas); the replicas asked for beyond them are starting. The
-    # router may not have polled a pod that just became Ready, and such a replica is not starting any more.
+    # serving pods Ready in Kubernetes (None: ready_replicas); without a count of the replicas starting, those asked
+    # for beyond them are. The router may not have polled a pod that just became Ready: it is not starting.
     ready_pods: int | None = None
 
     @property
@@ -149,20 +150,21 @@ def _load_need(mean: float, latest: float, target: float, ready: int, asked: int
     n_ahead = math.ceil((mean + ahead) / target - 1e-9)
     if ahead > 0 and n_ahead > n_mean and (ready <= 0 or (mean + ahead) / (ready * target) - 1 > TOLERANCE + 1e-9):
         n_mean, mean, how = n_ahead, mean + ahead, "ahead"
+    if starting and n_mean > asked:
+        n_mean, how = asked, "starting"
     n_latest = math.ceil(latest / target - 1e-9)
     if n_latest > n_mean and latest >= PANIC_FACTOR * target * max(asked, 1) - 1e-9:
         return n_latest, latest, "now"
-    if starting and n_mean > asked:
-        return asked, mean, "starting"
     return n_mean, mean, how
 
 
 _HOW = {"": "", "ahead": "", "now": " now", "starting": ""}
 
 
-def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
+def _needs(t: Targets, current: int, s: Signals, starting: int | None) -> list[tuple[int, Why, str]]:
     needs = []
-    starting = max(current - (s.ready_replicas if s.ready_pods is None else s.ready_pods), 0)
+    if starting is None:
+        starting = max(current - (s.ready_replicas if s.ready_pods is None else s.ready_pods), 0)
     if t.requests_per_replica > 0:
         # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
         # no forecast of the load
@@ -170,7 +172,8 @@ def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
         n, load, how = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas, current,
                                   ahead, starting > 0)
         said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
-                f"(a replica's startup)" if how == "ahead" else f"{load:.3g} requests in flight{_HOW[how]}")
+                f"(a replica's startup, plus half the window)" if how == "ahead"
+                else f"{load:.3g} requests in flight{_HOW[how]}")
         needs.append((n, Why.REQUESTS, f"{said}, target {t.requests_per_replica:g} per replica"
                                        + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
@@ -190,8 +193,11 @@ def _needs(t: Targets, current: int, s: Signals) -> list[tuple[int, Why, str]]:
     return needs
 
 
-def recommend(t: Targets, current: int, s: Signals | None, history: History, now: float) -> Recommendation:
-    """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation."""
+def recommend(t: Targets, current: int, s: Signals | None, history: History, now: float,
+              starting: int | None = None) -> Recommendation:
+    """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation.
+    ``starting``: how many of the ``current`` replicas are still starting (``startup.starting_replicas``: a
+    replica stuck for long is no longer counted); None: those beyond the Ready pods."""
     keep = max(t.scale_up_stabilization_s, t.scale_down_stabilization_s)
     if s is None:
         return Recommendation(max(current, t.min_replicas), Why.NO_SIGNALS, "no reading of the router yet")
@@ -201,7 +207,7 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
         n = max(1, t.min_replicas)
         history.add(now, n, keep)
         return Recommendation(n, Why.SCALE_FROM_ZERO, f"{s.pending} requests wait for a replica")
-    needs = _needs(t, current, s)
+    needs = _needs(t, current, s, starting)
     raw, why, text = max(needs, key=lambda n: n[0]) if needs else (0, Why.WITHIN_TARGETS, "no load")
     idle = s.latest_requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s
     if t.min_replicas == 0 and idle:

@@ -6,30 +6,76 @@ the engine's warm-up, whatever they cost on this cluster.
 """
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from tokenfleet_operator.conditions import parse_rfc3339
 
 
-def _ready_since(pod: dict[str, Any]) -> str | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
+def _ready(pod: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The pod's Ready condition when it is True."""
+    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
         if c.get("type") == "Ready" and c.get("status") == "True":
-            return c.get("lastTransitionTime")
+            return c
     return None
+
+
+def _ready_since(pod: dict[str, Any]) -> str | None:
+    c = _ready(pod)
+    return c.get("lastTransitionTime") if c else None
+
+
+def _started(slice_obj: dict[str, Any], pod: dict[str, Any] | None) -> str | None:
+    """When the replica's current start began: its Slice's creation, or its leader pod's if that came later (a pod
+    recreated by a rollout or an eviction starts anew in an old Slice)."""
+    times = [t for t in ((slice_obj.get("metadata") or {}).get("creationTimestamp"),
+                         ((pod or {}).get("metadata") or {}).get("creationTimestamp")) if t]
+    return max(times) if times else None
 
 
 def replica_startup_seconds(replicas: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> float | None:
     """The startup of the newest ready replica among ``(slice, leader pod)`` pairs; None if none is ready yet."""
     newest: tuple[str, float] | None = None
     for slice_obj, pod in replicas:
-        created = slice_obj.get("metadata", {}).get("creationTimestamp")
+        started = _started(slice_obj, pod)
         ready = _ready_since(pod) if pod else None
-        if not created or not ready:
+        if not started or not ready:
             continue
         try:
-            seconds = (parse_rfc3339(ready) - parse_rfc3339(created)).total_seconds()
+            seconds = (parse_rfc3339(ready) - parse_rfc3339(started)).total_seconds()
         except ValueError:
             continue
-        if seconds >= 0 and (newest is None or created > newest[0]):
-            newest = (created, seconds)
+        if seconds >= 0 and (newest is None or started > newest[0]):
+            newest = (started, seconds)
     return newest[1] if newest else None
+
+
+# A replica not Ready after this many startups (and at least STARTING_MIN_S) is stuck, not starting: it no longer
+# holds back a scale-up.
+STARTING_STARTUPS = 3
+STARTING_MIN_S = 60.0
+
+
+def starting_replicas(current: int, replicas: list[tuple[int, dict[str, Any], dict[str, Any] | None]],
+                      now: dt.datetime, startup_s: float | None) -> int:
+    """How many of the first ``current`` replicas are starting: those whose Slice does not exist yet (just asked
+    for), and those whose Slice is younger than STARTING_STARTUPS measured startups (at least STARTING_MIN_S) and
+    whose leader pod is not Ready. ``replicas``: (index, slice, leader pod). An older Slice whose pod is not Ready
+    (stuck, failed, or replaced by a rollout) is not counted."""
+    limit = max(STARTING_STARTUPS * (startup_s or 0.0), STARTING_MIN_S)
+    by_index = {i: (sl, pod) for i, sl, pod in replicas}
+    count = 0
+    for i in range(current):
+        if i not in by_index:
+            count += 1
+            continue
+        sl, pod = by_index[i]
+        if _ready(pod):
+            continue
+        created = (sl.get("metadata") or {}).get("creationTimestamp")
+        try:
+            young = created is not None and (now - parse_rfc3339(created)).total_seconds() <= limit
+        except ValueError:
+            young = False
+        count += young
+    return count

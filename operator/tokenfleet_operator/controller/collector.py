@@ -66,7 +66,7 @@ def routers_started(cache: ObjectCache, namespace: str, service: str, first: Ent
     if not starts or not 0 < first.wall - min(starts) < KEEP_S:
         return None
     age = first.wall - min(starts)
-    return Entry(first.at - age, first.wall - age, RouterReading(), 0)
+    return Entry(first.at - age, first.wall - age, RouterReading(), 0, baseline=True)
 
 
 def ready_serving_pods(cache: ObjectCache, namespace: str, service: str) -> set[str]:

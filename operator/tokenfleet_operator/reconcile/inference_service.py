@@ -38,7 +38,7 @@ from tokenfleet_operator.autoscale.measure import (
     windowed_cost,
 )
 from tokenfleet_operator.autoscale.policy import Targets, recommend
-from tokenfleet_operator.autoscale.startup import replica_startup_seconds
+from tokenfleet_operator.autoscale.startup import replica_startup_seconds, starting_replicas
 from tokenfleet_operator.builders.auth import DEFAULT_OPERATOR_NAMESPACE, Wiring, replica_key_secret_name
 from tokenfleet_operator.builders.inference_service import accelerators_per_replica, desired_children, endpoints_config, hourly_cost
 from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
@@ -130,7 +130,9 @@ def _targets(spec: InferenceServiceSpec) -> Targets:
 
 
 def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready_pods: set[str],
-           history: ReadingHistory | None, startup_s: float | None) -> tuple[int, dict[str, Any] | None, cond.Desired | None]:
+           history: ReadingHistory | None, startup_s: float | None,
+           replicas: list[tuple[int, dict[str, Any], dict[str, Any] | None]]
+           ) -> tuple[int, dict[str, Any] | None, cond.Desired | None]:
     """The replica count to run, status.autoscaling and the ScalingLimited condition (autoscaler on only)."""
     if spec.max_replicas is None:
         return spec.replicas, None, None
@@ -140,7 +142,8 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
     if current is None or old.get("autoscaling") is None:      # the autoscaler was just turned on
         current = max(t.min_replicas, min(t.max_replicas, spec.replicas))
     sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s)
-    rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic())
+    starting = starting_replicas(current, replicas, dt.datetime.now(dt.UTC), startup_s)
+    rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic(), starting)
     status: dict[str, Any] = {
         "reason": rec.reason.value, "message": rec.message,
         "lastScaleTime": (old.get("autoscaling") or {}).get("lastScaleTime"),
@@ -216,10 +219,11 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
     existing = [s for s in ctx.cache.by_label("Slice", namespace, SERVICE_LABEL, name) if _owned_by(s, uid)]
     serving_pods = _serving_pods(ctx, namespace, name)
     pods_by_name = {p["metadata"]["name"]: p for p in serving_pods}
-    startup_s = replica_startup_seconds([(s, pods_by_name.get(_leader_pod_name(s["metadata"]["name"])))
-                                         for s in existing])
+    indexed = [(i, s, pods_by_name.get(_leader_pod_name(s["metadata"]["name"]))) for s in existing
+               if (i := slice_index(name, s["metadata"]["name"])) is not None]
+    startup_s = replica_startup_seconds([(s, pod) for _, s, pod in indexed])
     replicas, autoscaling, limited = _scale(ctx, body, spec, ready_serving_pods(ctx.cache, namespace, name), history,
-                                            startup_s)
+                                            startup_s, indexed)
     victims = {s["metadata"]["name"]: _leader_pod_name(s["metadata"]["name"]) for s in existing
                if (i := slice_index(name, s["metadata"]["name"])) is not None and i >= replicas}
     drain = plan_drain(victims, old_status.get("draining") or [], history.latest.reading if history and history.latest

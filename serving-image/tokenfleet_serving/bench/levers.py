@@ -442,8 +442,9 @@ def measure(price: float, model_dir: Path | None, work: Path, train_seconds: flo
                   "int8": engine(model_dir, max_num_batched_tokens=8192, quantization="int8"),
                   "ngram": engine(model_dir, max_num_batched_tokens=8192, speculative=SpeculativeConfig("ngram", 4))}
     w1_runs: dict[str, list[Run]] = {name: [] for name in w1_engines}
-    for _ in range(scale.w1_rounds):
-        for name, eng in w1_engines.items():
+    for i in range(scale.w1_rounds):
+        order = list(w1_engines.items())
+        for name, eng in order if i % 2 == 0 else order[::-1]:      # alternating: no engine always goes first
             w1_runs[name].append(run_engine(eng, f"w1-{name}", prompts, lengths))
     w1_best = {name: best_of(r).tokens_per_second for name, r in w1_runs.items()}
     result["w1_tokens_per_second"] = {k: round(v, 2) for k, v in w1_best.items()}

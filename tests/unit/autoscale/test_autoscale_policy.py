@@ -134,6 +134,11 @@ def test_while_replicas_start_the_mean_asks_for_no_more_than_those():
     assert (r.replicas, r.reason) == (2, Why.REQUESTS) and "waiting for 1 starting" in r.message
     # once both are ready, the same mean adds the third
     assert recommend(t, 2, Signals(2, 20.0, 0.1, None, requests_now=20.0), History(), 0).replicas == 3
+    # a surge is acted on while replicas start, however high the mean: 36 now >= 2 x 2 x 8
+    r = recommend(t, 2, Signals(1, 40.0, 0.1, None, requests_now=36.0), History(), 0)
+    assert (r.replicas, r.reason) == (5, Why.REQUESTS) and "now" in r.message
+    # a replica stuck for many startups is not starting (the operator counts them): the mean decides again
+    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0), History(), 0, starting=0).replicas == 3
     # a replica whose pod is Ready is not starting, even before the router has polled it
     assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=2), History(), 0).replicas == 3
     assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=1), History(), 0).replicas == 2
@@ -153,5 +158,5 @@ def test_a_rising_load_scales_up_one_startup_ahead():
     assert (r.replicas, r.limited) == (4, True)
     # no look ahead while a replica asked for still starts: the ready one's climb is its queue, not the load
     assert recommend(T, 2, Signals(1, 6.0, 0.1, None, requests_trend=3.0, lookahead_s=10), History(), 0).replicas == 2
-    # looking ahead only ever adds: a load the ready replicas are sized for is not cut by a flat trend
-    assert recommend(T, 3, Signals(3, 24.0, 0.1, None, requests_trend=0.0, lookahead_s=10), History(), 0).replicas == 3
+    # looking ahead only ever adds: a falling trend does not cut what the mean needs
+    assert recommend(T, 3, Signals(3, 24.0, 0.1, None, requests_trend=-1.0, lookahead_s=10), History(), 0).replicas == 3

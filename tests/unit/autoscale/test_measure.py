@@ -198,3 +198,28 @@ def test_a_falling_or_wobbling_load_has_no_rise():
     # Poisson-like readings around 3 whose least-squares slope is positive but well inside its noise
     wobbly = rising(lambda t: {20: 1, 22: 5, 24: 2, 26: 6, 28: 1, 30: 4, 32: 2, 34: 5, 36: 3, 38: 4, 40: 3}.get(t, 3), 40)
     assert signals(wobbly, {"a-0"}, window_s=10, startup_s=8).requests_trend == 0.0
+
+
+def test_the_zeros_assumed_at_a_routers_start_are_no_reading_of_the_load():
+    h = ReadingHistory()
+    h.add(Entry(-30, 1_700_000_000 - 30, RouterReading(), 0, baseline=True))
+    for t in range(0, 42, 2):
+        h.add(Entry(t, 1_700_000_000 + t, reading(load={"a-0": 6.0}), 1))
+    s = signals(h, {"a-0"}, window_s=40, startup_s=8)
+    assert s.requests == pytest.approx(6.0) and s.requests_trend == 0.0
+
+
+def test_the_rise_is_taken_since_the_ready_replicas_last_changed():
+    # a queue that climbed on 1 replica until 30 s, then 2 replicas serving a flat 4: no rise
+    h = ReadingHistory()
+    for t in range(0, 52, 2):
+        h.add(Entry(t, 1_700_000_000 + t, reading(load={"a-0": 1 + t / 5 if t < 30 else 4.0}), 1 if t < 30 else 2))
+    assert signals(h, {"a-0"}, window_s=20, startup_s=8).requests_trend == 0.0
+    # fewer than six readings since the change are too few for a trend, however steep
+    h = ReadingHistory()
+    for t in range(0, 42, 2):
+        h.add(Entry(t, 1_700_000_000 + t, reading(load={"a-0": t / 2}), 1 if t < 34 else 2))
+    assert signals(h, {"a-0"}, window_s=20, startup_s=8).requests_trend == 0.0
+    h.add(Entry(42, 1_700_000_042, reading(load={"a-0": 21.0}), 2))
+    h.add(Entry(44, 1_700_000_044, reading(load={"a-0": 22.0}), 2))
+    assert signals(h, {"a-0"}, window_s=20, startup_s=8).requests_trend == pytest.approx(0.5)
