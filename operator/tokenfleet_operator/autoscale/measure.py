@@ -241,8 +241,7 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
                    slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0,
                    waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
-                   requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead,
-                   ready_pods=len(ready_serving_pods))
+                   requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead)
 
 
 def goodput(history: ReadingHistory | None, percentile: float, seconds: float = GOODPUT_WINDOW_S) -> dict | None:

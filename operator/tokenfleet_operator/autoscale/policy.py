@@ -97,9 +97,6 @@ class Signals:
     # window (0: not at all)
     requests_trend: float = 0.0
     lookahead_s: float = 0.0
-    # serving pods Ready in Kubernetes (None: ready_replicas); without a count of the replicas starting, those asked
-    # for beyond them are. The router may not have polled a pod that just became Ready: it is not starting.
-    ready_pods: int | None = None
 
     @property
     def latest_requests(self) -> float:
@@ -158,13 +155,10 @@ def _load_need(mean: float, latest: float, target: float, ready: int, asked: int
     return n_mean, mean, how
 
 
-_HOW = {"": "", "ahead": "", "now": " now", "starting": ""}
-
-
 def _needs(t: Targets, current: int, s: Signals, starting: int | None) -> list[tuple[int, Why, str]]:
     needs = []
     if starting is None:
-        starting = max(current - (s.ready_replicas if s.ready_pods is None else s.ready_pods), 0)
+        starting = max(current - s.ready_replicas, 0)
     if t.requests_per_replica > 0:
         # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
         # no forecast of the load
@@ -173,13 +167,13 @@ def _needs(t: Targets, current: int, s: Signals, starting: int | None) -> list[t
                                   ahead, starting > 0)
         said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
                 f"(a replica's startup, plus half the window)" if how == "ahead"
-                else f"{load:.3g} requests in flight{_HOW[how]}")
+                else f"{load:.3g} requests in flight{' now' if how == 'now' else ''}")
         needs.append((n, Why.REQUESTS, f"{said}, target {t.requests_per_replica:g} per replica"
                                        + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
         n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current,
                                   starting=starting > 0)
-        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{_HOW[how]}, "
+        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{' now' if how == 'now' else ''}, "
                                       f"target {t.waiting_per_replica:g} per replica"
                                       + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
@@ -197,7 +191,7 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
               starting: int | None = None) -> Recommendation:
     """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation.
     ``starting``: how many of the ``current`` replicas are still starting (``startup.starting_replicas``: a
-    replica stuck for long is no longer counted); None: those beyond the Ready pods."""
+    replica whose pod is Ready, or that is stuck for long, is not counted); None: those beyond the ready ones."""
     keep = max(t.scale_up_stabilization_s, t.scale_down_stabilization_s)
     if s is None:
         return Recommendation(max(current, t.min_replicas), Why.NO_SIGNALS, "no reading of the router yet")

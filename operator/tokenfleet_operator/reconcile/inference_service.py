@@ -224,8 +224,7 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
     startup_s = replica_startup_seconds([(s, pod) for _, s, pod in indexed])
     replicas, autoscaling, limited = _scale(ctx, body, spec, ready_serving_pods(ctx.cache, namespace, name), history,
                                             startup_s, indexed)
-    victims = {s["metadata"]["name"]: _leader_pod_name(s["metadata"]["name"]) for s in existing
-               if (i := slice_index(name, s["metadata"]["name"])) is not None and i >= replicas}
+    victims = {s["metadata"]["name"]: _leader_pod_name(s["metadata"]["name"]) for i, s, _ in indexed if i >= replicas}
     drain = plan_drain(victims, old_status.get("draining") or [], history.latest.reading if history and history.latest
                        else None, dt.datetime.now(dt.UTC), spec.autoscaling.drain_timeout_seconds)
     for slice_name in drain.started:

@@ -139,9 +139,10 @@ def test_while_replicas_start_the_mean_asks_for_no_more_than_those():
     assert (r.replicas, r.reason) == (5, Why.REQUESTS) and "now" in r.message
     # a replica stuck for many startups is not starting (the operator counts them): the mean decides again
     assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0), History(), 0, starting=0).replicas == 3
-    # a replica whose pod is Ready is not starting, even before the router has polled it
-    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=2), History(), 0).replicas == 3
-    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0, ready_pods=1), History(), 0).replicas == 2
+    # a replica whose pod is Ready is not starting, even before the router has polled it (the operator counts
+    # the starting ones from the pods, startup.starting_replicas)
+    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0), History(), 0, starting=0).replicas == 3
+    assert recommend(t, 2, Signals(1, 20.0, 0.1, None, requests_now=20.0), History(), 0, starting=1).replicas == 2
 
 
 def test_a_rising_load_scales_up_one_startup_ahead():
