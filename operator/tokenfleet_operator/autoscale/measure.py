@@ -188,6 +188,19 @@ def trend(points: list[tuple[float, float]], significance: float = 0.0) -> float
     return slope
 
 
+def _idle(readings: list[Entry], r: RouterReading) -> float:
+    """Seconds without a request while the service could serve: the router's idle time, but no longer than the
+    ready replicas have served since the service last had none (a replica that just came up has not had its
+    chance to get a request). A fleet ready throughout the history is not held back."""
+    idle = r.idle_s or 0.0
+    if not readings or readings[-1].ready_replicas == 0:
+        return idle
+    for before, e in zip(reversed(readings[:-1]), reversed(readings)):
+        if before.ready_replicas == 0:
+            return min(idle, readings[-1].at - e.at)
+    return idle
+
+
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0,
             startup_s: float | None = None) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
@@ -239,7 +252,7 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
                    requests=mean_requests,
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
-                   slo_attainment=attainment, pending=int(r.pending), idle_s=r.idle_s or 0.0,
+                   slo_attainment=attainment, pending=int(r.pending), idle_s=_idle(readings, r),
                    waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
                    requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead)
 

@@ -32,7 +32,9 @@ the load wanders across it. The largest need wins, within [minReplicas, maxRepli
   much history exists, so a dip does not remove a replica that the next minute needs again;
 - **a bound per step**: at most ``maxScaleUpReplicas`` added and ``maxScaleDownReplicas`` removed at a time;
 - **zero**: with ``minReplicas: 0`` a service with no request for ``scaleToZeroAfterSeconds`` goes to zero,
-  and a request held by the router brings it back to one (or minReplicas) at once;
+  counted from when its first replica became ready (one whose replicas are all still starting has not had
+  its chance to serve; a replica stuck for long is not starting, ``startup.starting_replicas``), and a request
+  held by the router brings it back to one (or minReplicas) at once;
 - **limits**: when the needs exceed maxReplicas the recommendation says so (``limited``), and the operator
   shows it as a condition: an SLO that cannot be met at maxReplicas is reported, never chased in a loop.
 """
@@ -155,10 +157,8 @@ def _load_need(mean: float, latest: float, target: float, ready: int, asked: int
     return n_mean, mean, how
 
 
-def _needs(t: Targets, current: int, s: Signals, starting: int | None) -> list[tuple[int, Why, str]]:
+def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[int, Why, str]]:
     needs = []
-    if starting is None:
-        starting = max(current - s.ready_replicas, 0)
     if t.requests_per_replica > 0:
         # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
         # no forecast of the load
@@ -201,9 +201,13 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
         n = max(1, t.min_replicas)
         history.add(now, n, keep)
         return Recommendation(n, Why.SCALE_FROM_ZERO, f"{s.pending} requests wait for a replica")
+    if starting is None:
+        starting = max(current - s.ready_replicas, 0)
     needs = _needs(t, current, s, starting)
     raw, why, text = max(needs, key=lambda n: n[0]) if needs else (0, Why.WITHIN_TARGETS, "no load")
-    idle = s.latest_requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s
+    # a service whose replicas are all still starting has not been able to serve: it is not idle
+    idle = s.latest_requests == 0 and s.pending == 0 and s.idle_s >= t.scale_to_zero_after_s \
+        and (s.ready_replicas > 0 or starting == 0)
     if t.min_replicas == 0 and idle:
         raw, why, text = 0, Why.SCALE_TO_ZERO, f"no request for {s.idle_s:.0f} s"
     elif raw < max(t.min_replicas, 1):

@@ -85,6 +85,24 @@ def test_zero_and_back():
     assert (r.replicas, r.reason) == (1, Why.SCALE_FROM_ZERO)               # a held request brings one back
 
 
+def test_a_service_whose_replicas_are_all_starting_is_not_idle():
+    t = Targets(**{**T.__dict__, "min_replicas": 0})
+    # the router has had no request for 200 s, but the one replica asked for is still starting
+    h = History()
+    recommend(t, 1, sig(0, 0, idle=200), h, 0, starting=1)
+    assert recommend(t, 1, sig(0, 0, idle=270), h, 70, starting=1).replicas == 1
+    assert recommend(t, 1, sig(0, 0, idle=200), History(), 0).replicas == 1        # by default: not ready = starting
+    # a replica stuck for long no longer counts as starting: an idle service goes to zero
+    h = History()
+    recommend(t, 1, sig(0, 0, idle=200), h, 0, starting=0)
+    r = recommend(t, 1, sig(0, 0, idle=270), h, 70, starting=0)
+    assert (r.replicas, r.reason) == (0, Why.SCALE_TO_ZERO)
+    # one replica serves and another starts: idle is idle
+    h = History()
+    recommend(t, 2, sig(1, 0, idle=200), h, 0, starting=1)
+    assert recommend(t, 2, sig(1, 0, idle=200), h, 70, starting=1).reason == Why.SCALE_TO_ZERO
+
+
 def test_min_replicas_is_a_floor_and_no_signal_changes_nothing():
     t = Targets(**{**T.__dict__, "min_replicas": 2})
     assert recommend(t, 1, sig(1, 0), History(), 0).replicas == 2

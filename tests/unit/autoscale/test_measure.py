@@ -223,3 +223,23 @@ def test_the_rise_is_taken_since_the_ready_replicas_last_changed():
     h.add(Entry(42, 1_700_000_042, reading(load={"a-0": 21.0}), 2))
     h.add(Entry(44, 1_700_000_044, reading(load={"a-0": 22.0}), 2))
     assert signals(h, {"a-0"}, window_s=20, startup_s=8).requests_trend == pytest.approx(0.5)
+
+
+def test_idle_counts_from_when_the_first_replica_became_ready():
+    # the router was idle 100 s, but the replica became ready only 10 s ago: 10 s without a request while
+    # the service could serve
+    h = history((0, reading(idle=90), 0), (5, reading(idle=95), 0), (90, reading(load={"a": 0}, idle=180), 1),
+                (100, reading(load={"a": 0}, idle=190), 1))
+    assert signals(h, {"a"}).idle_s == 10
+    # while none is ready the router's idle time stands (the policy knows whether replicas are starting)
+    assert signals(history((0, reading(idle=90), 0), (5, reading(idle=95), 0)), set()).idle_s == 95
+    # a fleet ready throughout the history is not held back, nor by a router restart's assumed zeros
+    assert signals(history((0, reading(load={"a": 0}, idle=50), 1), (10, reading(load={"a": 0}, idle=60), 1)),
+                   {"a"}).idle_s == 60
+    h = ReadingHistory()
+    h.add(Entry(0, 1_700_000_000, RouterReading(), 0, baseline=True))
+    h.add(Entry(10, 1_700_000_010, reading(load={"a": 0}, idle=60), 1))
+    assert signals(h, {"a"}).idle_s == 60
+    # a request resets the router's idle time below the serving time
+    h = history((0, reading(), 0), (50, reading(load={"a": 0}, idle=40), 1), (100, reading(load={"a": 0}, idle=3), 1))
+    assert signals(h, {"a"}).idle_s == 3
