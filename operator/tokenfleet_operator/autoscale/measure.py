@@ -202,7 +202,7 @@ def _idle(readings: list[Entry], r: RouterReading) -> float:
 
 
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0,
-            startup_s: float | None = None) -> Signals | None:
+            startup_s: float | None = None, percentile: float | None = None) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
     last ``window_s`` seconds (0: the latest reading alone) and over the last tenth of them (the panic window: at
     least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
@@ -238,6 +238,7 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     recent = window(history, min(max(window_s, MIN_ATTAINMENT_WINDOW_S), stable_s)) \
         if stable_s >= MIN_ATTAINMENT_WINDOW_S - 1e-9 else None
     attainment = recent.request_ratio if recent else None
+    ttft_at_slo = recent.ttft.quantile(percentile) if recent and percentile and recent.requests > 0 else None
     mean_requests = sum(x[0] for x in loads) / len(loads)
     trend_s = TREND_WINDOWS * window_s
     rising, ahead = 0.0, 0.0
@@ -254,7 +255,8 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
                    slo_attainment=attainment, pending=int(r.pending), idle_s=_idle(readings, r),
                    waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
-                   requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead)
+                   requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead,
+                   ttft_at_slo=ttft_at_slo)
 
 
 def goodput(history: ReadingHistory | None, percentile: float, seconds: float = GOODPUT_WINDOW_S) -> dict | None:

@@ -31,6 +31,10 @@ the load wanders across it. The largest need wins, within [minReplicas, maxRepli
   (0: at once); a scale-down the highest of the last ``scaleDownStabilizationSeconds``, and only once that
   much history exists, so a dip does not remove a replica that the next minute needs again;
 - **a bound per step**: at most ``maxScaleUpReplicas`` added and ``maxScaleDownReplicas`` removed at a time;
+- **headroom**: with a TTFT in the SLO, a scale-down from n to m replicas goes ahead only while the TTFT
+  observed at the SLO's percentile, times (n / m) ** HEADROOM_EXPONENT, stays within it (a heuristic: the
+  queueing part of TTFT grows faster than the load per replica); requests in flight stay low until a replica
+  saturates, so they alone would take a fleet down to a size that then misses;
 - **zero**: with ``minReplicas: 0`` a service with no request for ``scaleToZeroAfterSeconds`` goes to zero,
   counted from when its first replica became ready (one whose replicas are all still starting has not had
   its chance to serve; a replica stuck for long is not starting, ``startup.starting_replicas``), and a request
@@ -50,6 +54,9 @@ PANIC_FACTOR = 2.0
 PANIC_WINDOW_SHARE = 0.1
 # A load within this share of the ready replicas' target load keeps them (the HPA's default tolerance).
 TOLERANCE = 0.1
+# A scale-down from n to m replicas goes ahead while the observed TTFT at the SLO's percentile, times
+# (n / m) ** HEADROOM_EXPONENT, stays within the SLO's TTFT.
+HEADROOM_EXPONENT = 2.0
 
 
 class Why(StrEnum):
@@ -59,6 +66,7 @@ class Why(StrEnum):
     WAITING = "WaitingPerReplica"
     KV_CACHE = "KvCacheUsage"
     SLO = "SloAttainment"
+    SLO_HEADROOM = "SloHeadroom"
     MIN_REPLICAS = "MinReplicas"
     WITHIN_TARGETS = "WithinTargets"
     STABILIZING = "Stabilizing"
@@ -78,6 +86,7 @@ class Targets:
     max_scale_down: int = 1
     scale_to_zero_after_s: float = 300.0
     waiting_per_replica: float = 0.0          # 0: the queue is no signal of its own
+    slo_ttft_s: float = 0.0                   # spec.slo's TTFT (0: none)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class Signals:
     # window (0: not at all)
     requests_trend: float = 0.0
     lookahead_s: float = 0.0
+    # the TTFT at the SLO's percentile over the window of ``slo_attainment``; None: not measured
+    ttft_at_slo: float | None = None
 
     @property
     def latest_requests(self) -> float:
@@ -187,6 +198,18 @@ def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[in
     return needs
 
 
+def _headroom(t: Targets, current: int, target: int, s: Signals) -> str | None:
+    """Why a scale-down from ``current`` to ``target`` would leave too little room under the SLO's TTFT, or None.
+    A fleet under load whose latency is not measured yet (its ready replicas changed too recently) waits."""
+    if s.ttft_at_slo is None:
+        return "the TTFT of the present replicas is not measured yet" if s.latest_requests > 0 else None
+    projected = s.ttft_at_slo * (current / target) ** HEADROOM_EXPONENT
+    if projected <= t.slo_ttft_s:
+        return None
+    return (f"TTFT {s.ttft_at_slo:.3f} s at the SLO's percentile would be about {projected:.3f} s on {target}, "
+            f"SLO {t.slo_ttft_s:.3f} s")
+
+
 def recommend(t: Targets, current: int, s: Signals | None, history: History, now: float,
               starting: int | None = None) -> Recommendation:
     """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation.
@@ -228,6 +251,10 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
     else:
         target = current
     target = max(t.min_replicas, min(t.max_replicas, target))
+    if 0 < target < current and why != Why.SCALE_TO_ZERO and t.slo_ttft_s > 0:
+        held = _headroom(t, current, target, s)
+        if held is not None:
+            return Recommendation(current, Why.SLO_HEADROOM, f"{text}: {target} wanted, holding {current}: {held}", limited)
     if target == current and wanted != current:
         return Recommendation(current, Why.STABILIZING,
                               f"{text}: {wanted} wanted, holding {current} until the stabilization window agrees", limited)

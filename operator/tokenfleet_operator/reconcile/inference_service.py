@@ -126,7 +126,8 @@ def _targets(spec: InferenceServiceSpec) -> Targets:
                    spec.slo.percentile / 100 if spec.slo.time_to_first_token_ms or spec.slo.time_per_output_token_ms
                    else 0.0,
                    a.scale_up_stabilization_seconds, a.scale_down_stabilization_seconds, a.max_scale_up_replicas,
-                   a.max_scale_down_replicas, a.scale_to_zero_after_seconds, a.target_waiting_per_replica or 0.0)
+                   a.max_scale_down_replicas, a.scale_to_zero_after_seconds, a.target_waiting_per_replica or 0.0,
+                   (spec.slo.time_to_first_token_ms or 0) / 1000)
 
 
 def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready_pods: set[str],
@@ -141,7 +142,7 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
     current = old.get("desiredReplicas")
     if current is None or old.get("autoscaling") is None:      # the autoscaler was just turned on
         current = max(t.min_replicas, min(t.max_replicas, spec.replicas))
-    sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s)
+    sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s, spec.slo.percentile / 100)
     starting = starting_replicas(current, replicas, dt.datetime.now(dt.UTC), startup_s)
     rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic(), starting)
     status: dict[str, Any] = {

@@ -179,3 +179,27 @@ def test_a_rising_load_scales_up_one_startup_ahead():
     assert recommend(T, 2, Signals(1, 6.0, 0.1, None, requests_trend=3.0, lookahead_s=10), History(), 0).replicas == 2
     # looking ahead only ever adds: a falling trend does not cut what the mean needs
     assert recommend(T, 3, Signals(3, 24.0, 0.1, None, requests_trend=-1.0, lookahead_s=10), History(), 0).replicas == 3
+
+
+def test_a_scale_down_keeps_headroom_under_the_slos_ttft():
+    t = Targets(**{**T.__dict__, "slo_ttft_s": 0.25, "scale_down_stabilization_s": 0})
+    # 2 replicas, 1.2 requests in flight (1 replica's worth), TTFT at the percentile 0.1 s: on 1 replica about
+    # 0.1 x (2/1)^2 = 0.4 s, over the SLO's 0.25 s: held
+    r = recommend(t, 2, Signals(2, 1.2, 0.1, 1.0, ttft_at_slo=0.1), History(), 0)
+    assert (r.replicas, r.reason) == (2, Why.SLO_HEADROOM)
+    assert "about 0.400 s on 1" in r.message
+    # with room (0.05 s -> 0.2 s) it goes ahead
+    assert recommend(t, 2, Signals(2, 1.2, 0.1, 1.0, ttft_at_slo=0.05), History(), 0).replicas == 1
+    # 4 -> 3 at 0.1 s: 0.1 x (4/3)^2 = 0.18 s, within the SLO
+    assert recommend(t, 4, Signals(4, 2.0, 0.1, 1.0, ttft_at_slo=0.1), History(), 0).replicas == 3
+    # under load with no measured TTFT yet (the ready replicas just changed) a scale-down waits; idle, it does not
+    assert recommend(t, 2, Signals(2, 1.2, 0.1, None), History(), 0).reason == Why.SLO_HEADROOM
+    assert recommend(t, 2, Signals(2, 0.0, 0.1, None), History(), 0).replicas == 1
+    # no TTFT in the SLO: the requests decide alone
+    assert recommend(T, 2, Signals(2, 1.2, 0.1, 1.0, ttft_at_slo=5.0), History(), 0).reason != Why.SLO_HEADROOM
+
+
+def test_headroom_never_holds_off_scale_to_zero():
+    t = Targets(**{**T.__dict__, "slo_ttft_s": 0.25, "min_replicas": 0, "scale_down_stabilization_s": 0})
+    r = recommend(t, 1, Signals(1, 0.0, 0.1, None, idle_s=500, ttft_at_slo=0.2), History(), 0)
+    assert (r.replicas, r.reason) == (0, Why.SCALE_TO_ZERO)

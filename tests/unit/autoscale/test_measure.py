@@ -243,3 +243,12 @@ def test_idle_counts_from_when_the_first_replica_became_ready():
     # a request resets the router's idle time below the serving time
     h = history((0, reading(), 0), (50, reading(load={"a": 0}, idle=40), 1), (100, reading(load={"a": 0}, idle=3), 1))
     assert signals(h, {"a"}).idle_s == 3
+
+
+def test_the_ttft_at_the_slos_percentile_over_the_attainment_window():
+    h = history((0, reading(load={"a": 0}), 1), (20, reading(met=20, ttfts=[0.05] * 18 + [0.9, 0.9], load={"a": 0}), 1))
+    s = signals(h, {"a"}, window_s=10, percentile=0.95)
+    assert s.ttft_at_slo == pytest.approx(0.75, abs=0.01)          # p95 falls in the (0.5, 1.0] bucket
+    assert signals(h, {"a"}, window_s=10).ttft_at_slo is None       # no percentile: not measured
+    assert signals(history((0, reading(load={"a": 0}), 1), (20, reading(load={"a": 0}), 1)), {"a"},
+                   percentile=0.95).ttft_at_slo is None            # no request in the window
