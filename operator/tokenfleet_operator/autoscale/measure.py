@@ -188,21 +188,17 @@ def trend(points: list[tuple[float, float]], significance: float = 0.0) -> float
     return slope
 
 
-def _idle(readings: list[Entry], r: RouterReading) -> float:
-    """Seconds without a request while the service could serve: the router's idle time, but no longer than the
-    ready replicas have served since the service last had none (a replica that just came up has not had its
-    chance to get a request). A fleet ready throughout the history is not held back."""
+def _idle(r: RouterReading, serving_s: float | None) -> float:
+    """Seconds without a request while the service could serve: the router's idle time, but no longer than
+    ``serving_s``, how long its longest-ready replica has been ready (``startup.serving_seconds``): a replica that
+    just came up has not had its chance to get a request. None: no replica is ready, the router's time stands."""
     idle = r.idle_s or 0.0
-    if not readings or readings[-1].ready_replicas == 0:
-        return idle
-    for before, e in zip(reversed(readings[:-1]), reversed(readings)):
-        if before.ready_replicas == 0:
-            return min(idle, readings[-1].at - e.at)
-    return idle
+    return idle if serving_s is None else min(idle, max(serving_s, 0.0))
 
 
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0,
-            startup_s: float | None = None, percentile: float | None = None) -> Signals | None:
+            startup_s: float | None = None, percentile: float | None = None,
+            serving_s: float | None = None) -> Signals | None:
     """The autoscaler's inputs: load and KV usage of the ready replicas, as their mean over the readings of the
     last ``window_s`` seconds (0: the latest reading alone) and over the last tenth of them (the panic window: at
     least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
@@ -253,7 +249,7 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     return Signals(ready_replicas=len([p for p in ready_serving_pods if p in r.backend_load]),
                    requests=mean_requests,
                    kv_cache_usage=sum(kvs) / len(kvs) if kvs else None,
-                   slo_attainment=attainment, pending=int(r.pending), idle_s=_idle(readings, r),
+                   slo_attainment=attainment, pending=int(r.pending), idle_s=_idle(r, serving_s),
                    waiting=sum(x[1] for x in loads) / len(loads), running=sum(x[2] for x in loads) / len(loads),
                    requests_now=requests, waiting_now=waiting, requests_trend=rising, lookahead_s=ahead,
                    ttft_at_slo=ttft_at_slo)

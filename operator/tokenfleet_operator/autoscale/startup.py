@@ -50,6 +50,22 @@ def replica_startup_seconds(replicas: list[tuple[dict[str, Any], dict[str, Any] 
     return newest[1] if newest else None
 
 
+def serving_seconds(pods: list[dict[str, Any] | None], now: dt.datetime) -> float | None:
+    """How long the longest-ready of ``pods`` has been Ready (from its Ready condition's transition); None if none
+    is. The autoscaler's idle time counts no further back: a service is not idle before it could serve."""
+    longest: float | None = None
+    for pod in pods:
+        since = _ready_since(pod) if pod else None
+        if not since:
+            continue
+        try:
+            seconds = (now - parse_rfc3339(since)).total_seconds()
+        except ValueError:
+            continue
+        longest = seconds if longest is None else max(longest, seconds)
+    return longest
+
+
 # A replica not Ready after this many startups (and at least STARTING_MIN_S) is stuck, not starting: it no longer
 # holds back a scale-up.
 STARTING_STARTUPS = 3

@@ -38,7 +38,7 @@ from tokenfleet_operator.autoscale.measure import (
     windowed_cost,
 )
 from tokenfleet_operator.autoscale.policy import Targets, recommend
-from tokenfleet_operator.autoscale.startup import replica_startup_seconds, starting_replicas
+from tokenfleet_operator.autoscale.startup import replica_startup_seconds, serving_seconds, starting_replicas
 from tokenfleet_operator.builders.auth import DEFAULT_OPERATOR_NAMESPACE, Wiring, replica_key_secret_name
 from tokenfleet_operator.builders.inference_service import accelerators_per_replica, desired_children, endpoints_config, hourly_cost
 from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
@@ -142,8 +142,10 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
     current = old.get("desiredReplicas")
     if current is None or old.get("autoscaling") is None:      # the autoscaler was just turned on
         current = max(t.min_replicas, min(t.max_replicas, spec.replicas))
-    sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s, spec.slo.percentile / 100)
-    starting = starting_replicas(current, replicas, dt.datetime.now(dt.UTC), startup_s)
+    now = dt.datetime.now(dt.UTC)
+    sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s, spec.slo.percentile / 100,
+                  serving_seconds([pod for _, _, pod in replicas], now))
+    starting = starting_replicas(current, replicas, now, startup_s)
     rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic(), starting)
     status: dict[str, Any] = {
         "reason": rec.reason.value, "message": rec.message,

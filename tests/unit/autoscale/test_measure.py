@@ -226,23 +226,16 @@ def test_the_rise_is_taken_since_the_ready_replicas_last_changed():
 
 
 def test_idle_counts_from_when_the_first_replica_became_ready():
-    # the router was idle 100 s, but the replica became ready only 10 s ago: 10 s without a request while
+    # the router was idle 100 s, but the replica has been ready for 10 s only: 10 s without a request while
     # the service could serve
-    h = history((0, reading(idle=90), 0), (5, reading(idle=95), 0), (90, reading(load={"a": 0}, idle=180), 1),
-                (100, reading(load={"a": 0}, idle=190), 1))
-    assert signals(h, {"a"}).idle_s == 10
-    # while none is ready the router's idle time stands (the policy knows whether replicas are starting)
-    assert signals(history((0, reading(idle=90), 0), (5, reading(idle=95), 0)), set()).idle_s == 95
-    # a fleet ready throughout the history is not held back, nor by a router restart's assumed zeros
-    assert signals(history((0, reading(load={"a": 0}, idle=50), 1), (10, reading(load={"a": 0}, idle=60), 1)),
-                   {"a"}).idle_s == 60
-    h = ReadingHistory()
-    h.add(Entry(0, 1_700_000_000, RouterReading(), 0, baseline=True))
-    h.add(Entry(10, 1_700_000_010, reading(load={"a": 0}, idle=60), 1))
-    assert signals(h, {"a"}).idle_s == 60
-    # a request resets the router's idle time below the serving time
-    h = history((0, reading(), 0), (50, reading(load={"a": 0}, idle=40), 1), (100, reading(load={"a": 0}, idle=3), 1))
-    assert signals(h, {"a"}).idle_s == 3
+    h = history((0, reading(idle=90), 0), (10, reading(load={"a": 0}, idle=100), 1))
+    assert signals(h, {"a"}, serving_s=10.0).idle_s == 10
+    # none ready: the router's idle time stands (the policy knows whether replicas are starting)
+    assert signals(h, set()).idle_s == 100
+    # a replica ready for longer than the router was idle, and a request that reset the router's idle time
+    assert signals(h, {"a"}, serving_s=500.0).idle_s == 100
+    h = history((0, reading(load={"a": 0}, idle=3), 1))
+    assert signals(h, {"a"}, serving_s=50.0).idle_s == 3
 
 
 def test_the_ttft_at_the_slos_percentile_over_the_attainment_window():

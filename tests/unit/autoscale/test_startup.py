@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from tokenfleet_operator.autoscale.startup import replica_startup_seconds, starting_replicas
+from tokenfleet_operator.autoscale.startup import replica_startup_seconds, serving_seconds, starting_replicas
 
 
 def sl(created):
@@ -59,3 +59,11 @@ def test_starting_replicas_are_the_ones_asked_for_and_not_ready_for_a_few_startu
     # a Ready condition without a transition time is still Ready
     bare = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     assert starting_replicas(1, [(0, sl("2026-01-01T00:09:59Z"), bare)], NOW, startup_s=30) == 0
+
+
+def test_serving_time_is_that_of_the_longest_ready_replica():
+    now = dt.datetime(2026, 1, 1, 0, 10, tzinfo=dt.UTC)
+    assert serving_seconds([pod("2026-01-01T00:09:58Z"), pod("2026-01-01T00:05:00Z"), None], now) == 300.0
+    assert serving_seconds([pod("2026-01-01T00:09:58Z")], now) == 2.0            # just came up
+    assert serving_seconds([pod("2026-01-01T00:09:58Z", "False"), None], now) is None   # none ready
+    assert serving_seconds([pod("later")], now) is None
