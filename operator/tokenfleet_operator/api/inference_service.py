@@ -334,8 +334,8 @@ class AutoscalingSpec(ApiModel):
     max_scale_down_replicas: int = Field(default=1, description="Replicas removed in one step at most.", ge=1, le=1000)
     scale_to_zero_after_seconds: int = Field(
         default=300, description="With minReplicas 0: seconds without a request after which the service scales to "
-        "zero, counted from when a replica first became ready. The router then holds new requests while a replica "
-        "comes up.", ge=1, le=86400
+        "zero, counted back no further than the Ready transition of its longest-ready replica. The router then holds "
+        "new requests while a replica comes up.", ge=1, le=86400
     )
     max_pending_requests: int = Field(
         default=64, description="With minReplicas 0: requests the router holds while no replica is ready; more get "

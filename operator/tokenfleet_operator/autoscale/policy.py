@@ -36,7 +36,7 @@ the load wanders across it. The largest need wins, within [minReplicas, maxRepli
   queueing part of TTFT grows faster than the load per replica); requests in flight stay low until a replica
   saturates, so they alone would take a fleet down to a size that then misses;
 - **zero**: with ``minReplicas: 0`` a service with no request for ``scaleToZeroAfterSeconds`` goes to zero,
-  counted from when its first replica became ready (one whose replicas are all still starting has not had
+  counted back no further than its longest-ready replica became ready (one whose replicas are all starting has not had
   its chance to serve; a replica stuck for long is not starting, ``startup.starting_replicas``), and a request
   held by the router brings it back to one (or minReplicas) at once;
 - **limits**: when the needs exceed maxReplicas the recommendation says so (``limited``), and the operator
