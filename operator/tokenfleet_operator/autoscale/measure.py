@@ -204,7 +204,8 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
     since the number of ready replicas last changed, once that is MIN_ATTAINMENT_WINDOW_S ago: the misses of a
     smaller fleet are not the present one's, and counting them would add replica after replica to a fleet that
-    already meets the SLO.
+    already meets the SLO. The ready replicas are ``ready_serving_pods`` now, which may already differ from those of
+the latest reading.
 
     The requests' rise: their slope over the readings of the last TREND_WINDOWS x ``window_s`` (twice as many as
     the mean) since the ready replicas last changed (at least TREND_MIN_READINGS), once the history covers most
@@ -226,10 +227,13 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     requests, waiting = sum(x[0] for x in panic) / len(panic), sum(x[1] for x in panic) / len(panic)
     kvs = [k for *_, k in loads if k is not None]
     since = latest
-    for e in reversed(history.entries):
-        if e.ready_replicas != latest.ready_replicas:
-            break
-        since = e
+    if latest.ready_replicas == len(ready_serving_pods):
+        for e in reversed(history.entries):
+            if e.ready_replicas != latest.ready_replicas:
+                break
+            since = e
+    # else the ready replicas changed after the latest reading (a pod's Ready event comes before the next read):
+    # the readings so far are all of another fleet
     stable_s = latest.at - since.at
     recent = window(history, min(max(window_s, MIN_ATTAINMENT_WINDOW_S), stable_s)) \
         if stable_s >= MIN_ATTAINMENT_WINDOW_S - 1e-9 else None
