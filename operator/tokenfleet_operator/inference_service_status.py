@@ -197,7 +197,7 @@ WAITING_REASONS = frozenset({"ModelSourceNotFound"})
 
 
 def _was_serving(old_status: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_status.get("conditions") or [])
+    return cond.is_true(old_status.get("conditions"), "Ready")
 
 
 def progress_conditions(ready: cond.Desired, *, settled: bool, stalled: cond.Desired | None) -> list[cond.Desired]:

@@ -484,9 +484,15 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     events = cluster.plane.kubectl("get", "events", "-n", cluster.namespace, "--field-selector",
                                    "involvedObject.name=auto", "-o", "json", check=False)
     reasons: dict[str, int] = {}
+    scalings: list[dict[str, Any]] = []        # each ScaledUp/ScaledDown Event: when (trace seconds) and why
     if events.returncode == 0:
         for e in json.loads(events.stdout)["items"]:
             reasons[e["reason"]] = reasons.get(e["reason"], 0) + int(e.get("count") or 1)
+            if e["reason"] in ("ScaledUp", "ScaledDown"):
+                stamp = e.get("lastTimestamp") or e.get("eventTime") or e["metadata"].get("creationTimestamp")
+                scalings.append({"t": round(fm.rfc3339_seconds(stamp) - auto_run["start"], 1) if stamp else None,
+                                 "reason": e["reason"], "message": e.get("message")})
+        scalings.sort(key=lambda x: (x["t"] is None, x["t"]))
     cluster.delete("auto")
 
     static, auto = summarize_trace(static_run, s, slo), summarize_trace(auto_run, s, slo)
@@ -498,7 +504,7 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
                   for p in s.trace],
         "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens, "autoscaling_spec": autoscaling,
         "static": static, "autoscaled": auto, "replica_seconds_ratio": ratio, "cold_start": cold,
-        "autoscaler_events": reasons,
+        "autoscaler_events": reasons, "scaling_events": scalings,
     }
 
 

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import datetime as dt
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -137,3 +138,8 @@ def cost_per_million_tokens(replica_seconds: float, price_per_replica_hour: floa
     if tokens <= 0:
         return None
     return replica_seconds / 3600 * price_per_replica_hour / tokens * 1e6
+
+
+def rfc3339_seconds(stamp: str) -> float:
+    """Unix seconds of an API server timestamp ("2026-12-03T15:25:01Z", or with microseconds)."""
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()

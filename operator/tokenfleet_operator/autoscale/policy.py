@@ -168,6 +168,11 @@ def _load_need(mean: float, latest: float, target: float, ready: int, asked: int
     return n_mean, mean, how
 
 
+def _now(how: str) -> str:
+    """What a need read from the panic window's latest readings says of them."""
+    return " now" if how == "now" else ""
+
+
 def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[int, Why, str]]:
     needs = []
     if t.requests_per_replica > 0:
@@ -178,13 +183,13 @@ def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[in
                                   ahead, starting > 0)
         said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
                 f"(a replica's startup, plus half the window)" if how == "ahead"
-                else f"{load:.3g} requests in flight{' now' if how == 'now' else ''}")
+                else f"{load:.3g} requests in flight{_now(how)}")
         needs.append((n, Why.REQUESTS, f"{said}, target {t.requests_per_replica:g} per replica"
                                        + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
         n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current,
                                   starting=starting > 0)
-        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{' now' if how == 'now' else ''}, "
+        needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{_now(how)}, "
                                       f"target {t.waiting_per_replica:g} per replica"
                                       + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:

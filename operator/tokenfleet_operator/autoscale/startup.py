@@ -9,20 +9,27 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.conditions import parse_rfc3339
 
 
 def _ready(pod: dict[str, Any] | None) -> dict[str, Any] | None:
     """The pod's Ready condition when it is True."""
-    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready" and c.get("status") == "True":
-            return c
-    return None
+    c = cond.find(((pod or {}).get("status") or {}).get("conditions"), "Ready")
+    return c if c is not None and c.get("status") == "True" else None
 
 
 def _ready_since(pod: dict[str, Any]) -> str | None:
     c = _ready(pod)
     return c.get("lastTransitionTime") if c else None
+
+
+def _seconds(start: str, end: str | dt.datetime) -> float | None:
+    """Seconds from the timestamp ``start`` to ``end`` (a timestamp or a time); None where one does not parse."""
+    try:
+        return ((parse_rfc3339(end) if isinstance(end, str) else end) - parse_rfc3339(start)).total_seconds()
+    except ValueError:
+        return None
 
 
 def _started(slice_obj: dict[str, Any], pod: dict[str, Any] | None) -> str | None:
@@ -41,11 +48,8 @@ def replica_startup_seconds(replicas: list[tuple[dict[str, Any], dict[str, Any] 
         ready = _ready_since(pod) if pod else None
         if not started or not ready:
             continue
-        try:
-            seconds = (parse_rfc3339(ready) - parse_rfc3339(started)).total_seconds()
-        except ValueError:
-            continue
-        if seconds >= 0 and (newest is None or started > newest[0]):
+        seconds = _seconds(started, ready)
+        if seconds is not None and seconds >= 0 and (newest is None or started > newest[0]):
             newest = (started, seconds)
     return newest[1] if newest else None
 
@@ -56,11 +60,8 @@ def serving_seconds(pods: list[dict[str, Any] | None], now: dt.datetime) -> floa
     longest: float | None = None
     for pod in pods:
         since = _ready_since(pod) if pod else None
-        if not since:
-            continue
-        try:
-            seconds = (now - parse_rfc3339(since)).total_seconds()
-        except ValueError:
+        seconds = _seconds(since, now) if since else None
+        if seconds is None:
             continue
         longest = seconds if longest is None else max(longest, seconds)
     return longest
@@ -89,9 +90,6 @@ def starting_replicas(current: int, replicas: list[tuple[int, dict[str, Any], di
         if _ready(pod):
             continue
         created = (sl.get("metadata") or {}).get("creationTimestamp")
-        try:
-            young = created is not None and (now - parse_rfc3339(created)).total_seconds() <= limit
-        except ValueError:
-            young = False
-        count += young
+        age = _seconds(created, now) if created else None
+        count += age is not None and age <= limit
     return count

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.builders.auth import (
@@ -267,8 +268,7 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return cond.is_true((pod.get("status") or {}).get("conditions"), "Ready")
 
 
 def endpoints_config(pods: list[dict[str, Any]], draining: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:

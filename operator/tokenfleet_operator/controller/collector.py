@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
 from tokenfleet_operator.autoscale.measure import KEEP_S, Entry, ReadingHistory, combine
 from tokenfleet_operator.controller.cache import ObjectCache
@@ -37,8 +38,7 @@ MAX_BACKOFF = 300.0
 
 
 def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return cond.is_true((pod.get("status") or {}).get("conditions"), "Ready")
 
 
 def _pods(cache: ObjectCache, namespace: str, service: str, role: str) -> list[dict[str, Any]]:

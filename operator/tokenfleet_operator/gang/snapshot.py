@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.api.slice_queue import DEFAULT_QUEUE, SliceQueueSpec
 from tokenfleet_operator.conditions import parse_rfc3339
@@ -51,7 +52,7 @@ def extended_resources(counts: dict[str, Any] | None) -> dict[str, int]:
 
 def node_from_object(obj: dict[str, Any]) -> Node:
     meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    ready = cond.is_true(status.get("conditions"), "Ready")
     taints = []
     for t in spec.get("taints") or []:
         if t.get("key") and t.get("effect") in ("NoSchedule", "PreferNoSchedule", "NoExecute"):

@@ -94,3 +94,8 @@ def test_w4_pools_a_policys_alternated_runs():
     assert s["prefix_cache_hit_rate"] == pytest.approx(0.5)
     assert s["requests_per_backend"] == {"a": 10, "b": 10} and s["router_decisions"] == {"least-load": 21}
     assert s["requests_per_replica_cpu_second"] == pytest.approx(20 / 20.0)
+
+
+def test_api_server_timestamps_read_as_unix_seconds_with_or_without_microseconds():
+    assert fm.rfc3339_seconds("1970-01-01T00:01:40Z") == 100.0
+    assert fm.rfc3339_seconds("1970-01-01T00:01:40.250000Z") == 100.25
