@@ -46,6 +46,9 @@ def test_a_short_fleet_benchmark_reports_every_field_and_loses_nothing(cluster, 
     assert a["static"]["requests"] == a["autoscaled"]["requests"] == a["static"]["offered"] > 10
     assert a["cold_start"]["reached_zero"] and a["cold_start"]["complete"]
     assert result["scale_from_zero_first_token_seconds"] > 0
+    # the JSON says when and why the replicas moved, from the operator's Events: down to zero and back from it
+    said = [(e["reason"], e["message"].split(": ")[1]) for e in a["scaling_events"] if e["t"] is not None]
+    assert ("ScaledDown", "ScaleToZero") in said and ("ScaledUp", "ScaleFromZero") in said, a["scaling_events"]
 
     # the static service ran its 2 replicas through the trace; the autoscaled one fewer replica-seconds
     assert a["static"]["max_replicas_seen"] == 2
