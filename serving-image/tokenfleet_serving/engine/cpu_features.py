@@ -9,7 +9,8 @@ the engine makes choices by what it finds: the compile flags of its C kernels an
 * ``baseline``: not even AVX2/FMA (the portable C loops).
 
 torch picks its own kernels by the CPU too. ``torch_env`` gives the variables that cap torch the same way
-(``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``); they work only if set before torch is first used, so
+(``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, and ``MKL_ENABLE_INSTRUCTIONS`` for the oneMKL GEMMs that
+fp32 linear layers run on); they work only if set before torch is first used, so
 ``tokenfleet`` sets them at start-up and ``hack/test.sh`` exports them for the test processes.
 
 This module imports no torch.
@@ -27,8 +28,8 @@ CAPS = ("native", "avx2", "baseline")
 _ABOVE_AVX2 = ("avx512", "amx", "avx_vnni", "avx10")
 _ABOVE_BASELINE = _ABOVE_AVX2 + ("avx2", "fma", "f16c", "bmi2")
 _DROPPED = {"native": (), "avx2": _ABOVE_AVX2, "baseline": _ABOVE_BASELINE}
-# What torch is told under each cap (None: leave torch to its own detection).
-_TORCH = {"native": None, "avx2": ("AVX2", "AVX2"), "baseline": ("DEFAULT", "SSE41")}
+# What torch is told under each cap: ATen's kernels, oneDNN's and oneMKL's (None: leave torch to its own detection).
+_TORCH = {"native": None, "avx2": ("AVX2", "AVX2", "AVX2"), "baseline": ("DEFAULT", "SSE41", "SSE4_2")}
 
 
 class CpuIsaError(ValueError):
@@ -98,8 +99,8 @@ def torch_env() -> dict[str, str]:
     caps = _TORCH[isa_cap()]
     if caps is None:
         return {}
-    aten, onednn = caps
-    return {"ATEN_CPU_CAPABILITY": aten.lower(), "ONEDNN_MAX_CPU_ISA": onednn}
+    aten, onednn, mkl = caps
+    return {"ATEN_CPU_CAPABILITY": aten.lower(), "ONEDNN_MAX_CPU_ISA": onednn, "MKL_ENABLE_INSTRUCTIONS": mkl}
 
 
 def apply_torch_env() -> None:

@@ -76,6 +76,8 @@ def test_the_isa_cap_hides_what_the_host_has(monkeypatch, cap, avx2_kernels):
     assert ("-march=x86-64-v3" in cpu_kernels.compile_flags()) == (avx2_kernels and cpu_features.has_avx2_fma())
     assert cpu_features.isa_level() == (cap if cap != "avx2" or cpu_features.has_avx2_fma() else "baseline")
     assert cpu_features.torch_env()["ATEN_CPU_CAPABILITY"] in ("avx2", "default")
+    # the GEMMs of fp32 linear layers are oneMKL's, which picks its own instructions unless told
+    assert cpu_features.torch_env()["MKL_ENABLE_INSTRUCTIONS"] == {"avx2": "AVX2", "baseline": "SSE4_2"}[cap]
 
 
 def test_a_bad_isa_cap_is_refused(monkeypatch):

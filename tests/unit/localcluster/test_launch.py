@@ -110,3 +110,10 @@ def test_wildcard_bind_addresses_become_the_pod_ip(arg, expected):
     p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["serve", arg]}])
     (c,) = launch(p)
     assert c.argv[1] == expected
+
+
+def test_a_capped_cpu_reaches_the_pods_as_it_would_on_a_node_of_that_cpu():
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["tokenfleet", "serve"]}])
+    (c,) = container_launches(p, "127.2.0.9", "127.10.0.1", {"PATH": "/bin", "TOKENFLEET_CPU_ISA": "avx2"},
+                              "/tmp/scratch", PREFIX)
+    assert c.env["TOKENFLEET_CPU_ISA"] == "avx2"
