@@ -146,7 +146,9 @@ def hardware() -> dict[str, Any]:
             model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
     except OSError:
         pass
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+    from tokenfleet_serving.engine.cpu_features import describe
+    return {"cpu": model, **{k: v for k, v in describe().items() if k != "cpu"},
+            "logical_cpus": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
@@ -676,7 +678,8 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
 def tables(result: dict[str, Any]) -> str:
     lines = []
     hw = result["hardware"]
-    lines.append(f"hardware: {hw['cpu']}, {hw['logical_cpus']} logical CPUs, loadavg {hw['loadavg_start']} -> "
+    lines.append(f"hardware: {hw['cpu']} ({hw.get('isa')}, cap {hw.get('isa_cap')}), {hw['logical_cpus']} logical CPUs, "
+                 f"loadavg {hw['loadavg_start']} -> "
                  f"{hw.get('loadavg_end')}")
     a = result.get("autoscale")
     if a:
