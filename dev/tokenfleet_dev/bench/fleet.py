@@ -774,7 +774,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("TTFT p95 / s")
         ax.set_title("W4: TTFT p95 per routing policy")
     hw = result["hardware"]
-    fig.suptitle(f"tokenfleet bench fleet: {hw['cpu']}, {hw['logical_cpus']} CPUs, loadavg {hw['loadavg_start'][0]}",
+    isa = f" ({hw['isa']}{'' if hw.get('isa_cap') in (None, 'native') else ', capped'})" if hw.get("isa") else ""
+    fig.suptitle(f"tokenfleet bench fleet: {hw['cpu']}{isa}, {hw['logical_cpus']} CPUs, loadavg {hw['loadavg_start'][0]}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
