@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tokenfleet_dev import images
-from tokenfleet_dev.demo import pinned_namespace, pod_startup_seconds
+from tokenfleet_dev.demo import pinned_namespace, pod_startup_seconds, wait_routable
 from tokenfleet_dev.localcluster import realnode
 from tokenfleet_dev.localcluster.binaries import REPO_ROOT
 from tokenfleet_dev.localcluster.nodes import NodePool
@@ -170,6 +170,9 @@ def test_an_inference_service_serves_from_the_serving_image_on_the_node(plane, o
     assert engines[0]["status"]["podIP"] in addresses and routers[0]["status"]["podIP"] in addresses
 
     port = plane.expose("tiny-router", routers[0]["status"]["podIP"], 8080)
+    # the service is Ready when its pods are; the kubelet updates the router's mounted endpoints file up to a
+    # minute later (docs/routing.md), and until then the router answers 503 with Retry-After
+    wait_routable(f"http://127.0.0.1:{port}", timeout=180)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=6, temperature=0)
