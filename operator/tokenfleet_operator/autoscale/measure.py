@@ -204,8 +204,8 @@ def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window
     least the last two readings); SLO attainment over the same window (at least MIN_ATTAINMENT_WINDOW_S), and only
     since the number of ready replicas last changed, once that is MIN_ATTAINMENT_WINDOW_S ago: the misses of a
     smaller fleet are not the present one's, and counting them would add replica after replica to a fleet that
-    already meets the SLO. The ready replicas are ``ready_serving_pods`` now, which may already differ from those of
-the latest reading.
+    already meets the SLO. The ready replicas are ``ready_serving_pods`` now, which may already differ from those
+    of the latest reading.
 
     The requests' rise: their slope over the readings of the last TREND_WINDOWS x ``window_s`` (twice as many as
     the mean) since the ready replicas last changed (at least TREND_MIN_READINGS), once the history covers most
