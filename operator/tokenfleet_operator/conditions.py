@@ -50,6 +50,11 @@ def is_true(conditions: Iterable[dict[str, Any]] | None, type_: str) -> bool:
     return cond is not None and cond.get("status") == "True"
 
 
+def is_ready(obj: dict[str, Any]) -> bool:
+    """An API object (a Pod, a Node) whose status has a Ready condition that is True."""
+    return is_true((obj.get("status") or {}).get("conditions"), "Ready")
+
+
 def merge(
     existing: Iterable[dict[str, Any]] | None,
     desired: Iterable[Desired],

@@ -50,6 +50,7 @@ import yaml
 from tokenfleet_dev.bench import fleet_metrics as fm
 from tokenfleet_dev.bench.fleet_metrics import Phase, Slo
 from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
+from tokenfleet_serving.engine.cpu_features import describe
 
 REPO = Path(__file__).resolve().parents[3]
 GROUP, VERSION = "tokenfleet.dev", "v1alpha1"
@@ -140,15 +141,7 @@ class Settings:
 
 
 def hardware() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
-    except OSError:
-        pass
-    from tokenfleet_serving.engine.cpu_features import describe
-    return {"cpu": model, **{k: v for k, v in describe().items() if k != "cpu"},
-            "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+    return {**describe(), "logical_cpus": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 

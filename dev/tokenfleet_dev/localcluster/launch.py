@@ -18,11 +18,9 @@ from .cpu_limits import millicores
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
-# Variables of the runner's own environment that a local process needs to
-# find its interpreter and packages; everything else comes from the pod.
-# What a container gets from the runner's own environment; nothing else of it leaks in. TOKENFLEET_CPU_ISA is the
-# node's CPU as the engine sees it (engine/cpu_features.py): a capped host runs capped pods, as a real node of
-# that CPU would.
+# Variables of the runner's own environment that a local process needs to find its interpreter and packages;
+# everything else comes from the pod. TOKENFLEET_CPU_ISA is the node's CPU as the engine sees it
+# (engine/cpu_features.py): a capped host runs capped pods, as a real node of that CPU would.
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR",
                  "OMP_NUM_THREADS", "TOKENFLEET_BIN_DIR", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT",
                  "TOKENFLEET_CPU_ISA")

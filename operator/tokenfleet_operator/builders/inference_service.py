@@ -267,10 +267,6 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
     ))
 
 
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    return cond.is_true((pod.get("status") or {}).get("conditions"), "Ready")
-
-
 def endpoints_config(pods: list[dict[str, Any]], draining: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """endpoints.json (``contract.router_files``): the serving pods the router may send requests to, sorted by
     pod name.
@@ -279,7 +275,7 @@ def endpoints_config(pods: list[dict[str, Any]], draining: set[str] | frozenset[
     deleted, is left out; ``ready`` is the pod's Ready condition (the router polls the pod itself too); a pod of
     a Slice in ``draining`` is marked so (the router sends it no new request)."""
     return endpoints_json([
-        Endpoint(pod=pod["metadata"]["name"], ip=pod["status"]["podIP"], port=SERVING_PORT, ready=_pod_ready(pod),
+        Endpoint(pod=pod["metadata"]["name"], ip=pod["status"]["podIP"], port=SERVING_PORT, ready=cond.is_ready(pod),
                  slice=(slice_ := (pod["metadata"].get("labels") or {}).get(SLICE_LABEL, "")),
                  draining=slice_ in draining)
         for pod in pods

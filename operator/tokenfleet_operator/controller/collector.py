@@ -37,14 +37,10 @@ log = logging.getLogger("tokenfleet.collector")
 MAX_BACKOFF = 300.0
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return cond.is_true((pod.get("status") or {}).get("conditions"), "Ready")
-
-
 def _pods(cache: ObjectCache, namespace: str, service: str, role: str) -> list[dict[str, Any]]:
     return [p for p in cache.by_label("Pod", namespace, SERVICE_LABEL, service)
             if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == role and (p.get("status") or {}).get("podIP")
-            and _ready(p) and not p["metadata"].get("deletionTimestamp")]
+            and cond.is_ready(p) and not p["metadata"].get("deletionTimestamp")]
 
 
 def router_metrics_urls(cache: ObjectCache, namespace: str, service: str) -> list[str]:

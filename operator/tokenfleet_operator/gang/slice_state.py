@@ -132,7 +132,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
     """Summarise a Pod object (as returned by the API server)."""
     meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
     labels = meta.get("labels") or {}
-    ready = cond.is_true(status.get("conditions"), "Ready")
+    ready = cond.is_ready(pod)
     unschedulable = None
     for c in status.get("conditions") or []:
         if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":

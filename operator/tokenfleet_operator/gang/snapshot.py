@@ -52,7 +52,7 @@ def extended_resources(counts: dict[str, Any] | None) -> dict[str, int]:
 
 def node_from_object(obj: dict[str, Any]) -> Node:
     meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-    ready = cond.is_true(status.get("conditions"), "Ready")
+    ready = cond.is_ready(obj)
     taints = []
     for t in spec.get("taints") or []:
         if t.get("key") and t.get("effect") in ("NoSchedule", "PreferNoSchedule", "NoExecute"):

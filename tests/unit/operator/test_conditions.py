@@ -54,3 +54,11 @@ def test_api_server_timestamps_parse_as_utc_and_anything_else_is_refused():
                 "2026-12-02T00:00:00+00:00", ""):
         with pytest.raises(ValueError):
             cond.parse_rfc3339(bad)
+
+
+def test_an_object_is_ready_when_its_status_has_a_true_ready_condition():
+    assert cond.is_ready({"status": {"conditions": [{"type": "PodScheduled", "status": "True"},
+                                                    {"type": "Ready", "status": "True"}]}})
+    assert not cond.is_ready({"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    assert not cond.is_ready({"status": {"conditions": [{"type": "ContainersReady", "status": "True"}]}})
+    assert not cond.is_ready({"status": None}) and not cond.is_ready({})
