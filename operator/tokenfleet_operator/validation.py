@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
+from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
@@ -169,6 +170,13 @@ def _host_path_problem(path: str | None, field: str, policy: OperatorPolicy) -> 
         "administrator allows host paths with the operator's --allow-host-path PREFIX; otherwise use a PVC")]
 
 
+def model_source_problems(spec: InferenceServiceSpec, policy: OperatorPolicy) -> list[Problem]:
+    """The one policy every model source of a service answers to (``api.model_source``): a host path only below
+    a prefix the administrator allowed. The schema refuses '..' segments and '/' in each source's paths."""
+    return [problem for field, source in model_sources(spec) if source.host_path is not None
+            for problem in _host_path_problem(source.host_path.path, f"{field}.hostPath.path", policy)]
+
+
 def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS) -> list[Problem]:
     acc = spec.accelerator
     problems = _topology_problem(
@@ -187,8 +195,7 @@ def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy =
                 f"{spec_dec.num_speculative_tokens} speculative tokens do not fit a context of {spec.engine.max_model_len}",
             )
         )
-    if spec.model.host_path is not None:
-        problems += _host_path_problem(spec.model.host_path.path, "spec.model.hostPath.path", policy)
+    problems += model_source_problems(spec, policy)
     checkpoint = spec.slice_policy.checkpoint
     problems += _host_path_problem(_store_host_path(checkpoint.store if checkpoint else None),
                                    "spec.slicePolicy.checkpoint.store", policy)

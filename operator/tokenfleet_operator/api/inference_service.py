@@ -8,11 +8,9 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from tokenfleet_operator.api.common import (
-    ABSOLUTE_PATH_PATTERN,
     DNS_LABEL_PATTERN,
     IMAGE_PATTERN,
     LABEL_KEY_PATTERN,
-    RELATIVE_PATH_PATTERN,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
     ApiModel,
@@ -24,6 +22,7 @@ from tokenfleet_operator.api.common import (
     rule,
     with_rules,
 )
+from tokenfleet_operator.api.model_source import ModelSource
 from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
 from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
@@ -41,49 +40,10 @@ def _defaulted(model: type[ApiModel], description: str):
     return Field(default_factory=model, description=description, json_schema_extra={"default": model().to_wire()})
 
 
-class PvcSource(ApiModel):
-    """Model weights on a PersistentVolumeClaim, mounted read-only at /models."""
+class ModelSpec(ModelSource):
+    """Where the weights come from (exactly one of path, pvc or hostPath; pvc and hostPath are mounted read-only
+    at /models) and the names clients use for the model."""
 
-    claim_name: str = Field(description="Name of the PVC in the InferenceService's namespace.", max_length=253, pattern=DNS_LABEL_PATTERN)
-    sub_path: str | None = Field(
-        default=None,
-        description="Directory inside the volume that holds the model (config.json, weights, tokenizer); relative, "
-                    "without '..'.",
-        max_length=1024,
-        pattern=RELATIVE_PATH_PATTERN,
-    )
-
-
-class HostPathSource(ApiModel):
-    """Model weights in a directory on every node, mounted read-only at /models.
-
-    A host path reaches into the node, so the operator mounts one only under a prefix a cluster administrator
-    allowed (``tokenfleet operator --allow-host-path PREFIX``); otherwise the service is Ready=False with
-    reason HostPathNotAllowed."""
-
-    path: str = Field(
-        description="Absolute directory on the node, other than / and without '..'; it must lie under a prefix the "
-                    "operator was started with (--allow-host-path), else the service is not reconciled "
-                    "(reason HostPathNotAllowed).",
-        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN)
-
-
-class ModelSpec(ApiModel):
-    """Where the weights come from and the names clients use for the model."""
-
-    model_config = with_rules(
-        rule(
-            "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
-            "exactly one of model.path, model.pvc or model.hostPath must be set",
-        ),
-    )
-
-    path: str | None = Field(
-        default=None, description="Absolute directory of the model inside the serving image, without '..'.",
-        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN,
-    )
-    pvc: PvcSource | None = Field(default=None, description="Load the model from a PersistentVolumeClaim.")
-    host_path: HostPathSource | None = Field(default=None, description="Load the model from a directory on the node.")
     served_model_names: list[Annotated[str, Field(min_length=1, max_length=128, pattern=SERVED_MODEL_NAME_PATTERN)]] = Field(
         description="Names clients pass as 'model' in OpenAI requests; the first one is shown by kubectl get. Each "
                     "has 1-128 characters, no whitespace, and does not start with '-'.",
@@ -105,27 +65,6 @@ class AcceleratorSpec(AcceleratorBase):
         max_length=16,
         pattern=TOPOLOGY_PATTERN,
     )
-
-
-class DraftModelSource(ApiModel):
-    """Where the draft model's checkpoint comes from; it is mounted read-only at /draft-model."""
-
-    model_config = with_rules(
-        rule(
-            "(has(self.path) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
-            "exactly one of draftModel.path, draftModel.pvc or draftModel.hostPath must be set",
-        ),
-    )
-
-    path: str | None = Field(
-        default=None, description="Absolute directory of the draft model inside the serving image.", max_length=1024,
-        pattern=r"^/.*$",
-    )
-    pvc: PvcSource | None = Field(
-        default=None, description="Load the draft model from a PersistentVolumeClaim (the model's own claim too, with "
-        "another subPath).",
-    )
-    host_path: HostPathSource | None = Field(default=None, description="Load the draft model from a directory on the node.")
 
 
 class SpeculativeDecoding(ApiModel):
@@ -151,9 +90,10 @@ class SpeculativeDecoding(ApiModel):
         "(prompt lookup: for answers that copy from the prompt); draft runs the smaller draftModel."
     )
     num_speculative_tokens: int = Field(default=4, description="Tokens proposed per request and step, at most.", ge=1, le=16)
-    draft_model: DraftModelSource | None = Field(
+    draft_model: ModelSource | None = Field(
         default=None, description="The draft model (method draft): a Llama-family checkpoint with the served model's "
-        "tokenizer; it takes engine.quantization too.",
+        "tokenizer; it takes engine.quantization too. Exactly one of path, pvc (the model's own claim too, with "
+        "another subPath) or hostPath; pvc and hostPath are mounted read-only at /draft-model.",
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.model_source import ModelSource
 from tokenfleet_operator.builders.auth import (
     NO_WIRING,
     Wiring,
@@ -76,20 +77,26 @@ def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
+def source_volume(name: str, source: ModelSource) -> dict[str, Any] | None:
+    """The read-only volume of a model source (None for a path inside the image). Every model source is
+    mounted through here, after ``validation.model_source_problems`` has passed its host path."""
+    if source.pvc is not None:
+        return {"name": name, "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+    if source.host_path is not None:
+        return {"name": name, "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    return None
+
+
 def model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], str]:
     """(volumes, volumeMounts, model directory inside the container) for the model source."""
     model = spec.model
-    if model.pvc is not None:
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True}}
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        directory = f"{MODEL_MOUNT}/{model.pvc.sub_path.strip('/')}" if model.pvc.sub_path else MODEL_MOUNT
-        return [volume], [mount], directory
-    if model.host_path is not None:
-        volume = {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        return [volume], [mount], MODEL_MOUNT
-    assert model.path is not None, "the schema requires exactly one model source"
-    return [], [], model.path
+    volume = source_volume("model", model)
+    if volume is None:
+        assert model.path is not None, "the schema requires exactly one model source"
+        return [], [], model.path
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    directory = f"{MODEL_MOUNT}/{model.pvc.sub_path.strip('/')}" if model.pvc and model.pvc.sub_path else MODEL_MOUNT
+    return [volume], [mount], directory
 
 
 def draft_model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], str | None]:
@@ -99,22 +106,18 @@ def draft_model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[di
     source = sd.draft_model if sd is not None else None
     if source is None:
         return [], [], None
-    if source.path is not None:
+    volume = source_volume("draft-model", source)
+    if volume is None:
         return [], [], source.path
     mount: dict[str, Any] = {"name": "draft-model", "mountPath": DRAFT_MODEL_MOUNT, "readOnly": True}
+    volumes = [volume]
     if source.pvc is not None:
         if spec.model.pvc is not None and spec.model.pvc.claim_name == source.pvc.claim_name:
             mount["name"] = "model"                         # the model's volume: a claim is mounted once per pod
             volumes = []
-        else:
-            volumes = [{"name": "draft-model",
-                        "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}]
         if source.pvc.sub_path:
             mount["subPath"] = source.pvc.sub_path.strip("/")
-        return volumes, [mount], DRAFT_MODEL_MOUNT
-    assert source.host_path is not None, "the schema requires exactly one draft model source"
-    return [{"name": "draft-model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}], [mount], \
-        DRAFT_MODEL_MOUNT
+    return volumes, [mount], DRAFT_MODEL_MOUNT
 
 
 def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:

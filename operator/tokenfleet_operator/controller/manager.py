@@ -44,7 +44,7 @@ from tokenfleet_operator.controller.triggers import (
     Key,
     changes_placement,
     is_gang_slice,
-    pvc_claim,
+    pvc_claims,
     triggers,
 )
 from tokenfleet_operator.controller.workqueue import WorkQueue
@@ -213,7 +213,7 @@ class Manager:
         if kind == "PersistentVolumeClaim":
             ns, claim = obj["metadata"]["namespace"], obj["metadata"]["name"]
             keys = [("InferenceService", ns, s["metadata"]["name"]) for s in self.cache.list("InferenceService", ns)
-                    if pvc_claim(s) == claim]
+                    if claim in pvc_claims(s)]
         if kind == "Slice" and event_type == "DELETED" and is_gang_slice(obj):
             keys = [k for k in keys if k[0] != "Slice"]
         for key in keys:

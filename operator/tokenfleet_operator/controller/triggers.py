@@ -10,8 +10,8 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
 - a router Deployment, ConfigMap, Service or NetworkPolicy of a service (label ``tokenfleet.dev/inference-service``): that
   service (a child changed or was deleted by someone else: apply it again);
 - a Node or a SliceQueue: the gang pass (capacity or quota changed);
-- a PersistentVolumeClaim: the services that load their model from it (found by the caller, who has the
-  cache: ``pvc_claim``).
+- a PersistentVolumeClaim: the services that load a model from it (found by the caller, who has the
+  cache: ``pvc_claims``).
 
 An update of a Node, a Pod or a Slice asks for the gang pass only if it changed what placement reads
 (``changes_placement``): a node's heartbeat, a pod's readiness or a Slice's Ready condition moves no
@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
+from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.naming import SERVICE_LABEL, SLICE_LABEL
 
 Key = tuple[str, str | None, str]
@@ -104,7 +108,10 @@ def changes_placement(kind: str, old: dict[str, Any] | None, new: dict[str, Any]
     return True
 
 
-def pvc_claim(service: dict[str, Any]) -> str | None:
-    """The PersistentVolumeClaim an InferenceService loads its model from, if any."""
-    pvc = (((service.get("spec") or {}).get("model") or {}).get("pvc") or {})
-    return pvc.get("claimName")
+def pvc_claims(service: dict[str, Any]) -> set[str]:
+    """The PersistentVolumeClaims an InferenceService loads a model from (the model, the draft model, ...)."""
+    try:
+        spec = InferenceServiceSpec.model_validate(service.get("spec") or {})
+    except ValidationError:
+        return set()                     # an invalid spec waits for its own change, not for a claim
+    return {source.pvc.claim_name for _, source in model_sources(spec) if source.pvc is not None}

@@ -27,6 +27,7 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.autoscale.drain import plan_drain
 from tokenfleet_operator.autoscale.measure import (
     GOODPUT_WINDOW_S,
@@ -209,10 +210,10 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
         write_status(ctx, body, invalid_status(owner, e.problem, old_status))
         raise
 
-    if spec.model.pvc is not None:
-        claim = spec.model.pvc.claim_name
-        if ctx.cache.get("PersistentVolumeClaim", namespace, claim) is None:
-            problem = Problem("ModelSourceNotFound", "spec.model.pvc.claimName",
+    for field, source in model_sources(spec):
+        claim = source.pvc.claim_name if source.pvc is not None else None
+        if claim is not None and ctx.cache.get("PersistentVolumeClaim", namespace, claim) is None:
+            problem = Problem("ModelSourceNotFound", f"{field}.pvc.claimName",
                               f"PersistentVolumeClaim {claim} does not exist in {namespace}; create it")
             write_status(ctx, body, invalid_status(owner, problem, old_status))
             log.info("InferenceService %s/%s waits for %s", namespace, name, problem)

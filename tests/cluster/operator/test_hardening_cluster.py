@@ -8,6 +8,7 @@ it names, as it would in a container, so models read by path live outside /tmp (
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 import urllib.error
@@ -152,6 +153,12 @@ def test_a_service_and_a_batch_slice_run_under_pod_security_restricted(cluster, 
 
 # ---------------------------------------------------------------- defects 5 and 7
 
+def refused_with(cluster, namespace, name, reason):
+    """The service's Ready condition once it has this reason, else None."""
+    ready = condition(isvc_obj(cluster, namespace, name), "Ready")
+    return ready if ready.get("reason") == reason else None
+
+
 def test_refused_children_and_host_paths_show_in_status(cluster, namespace, tmp_path):
     install(cluster)
     restricted(cluster, namespace)
@@ -205,6 +212,18 @@ def test_refused_children_and_host_paths_show_in_status(cluster, namespace, tmp_
             condition(isvc_obj(cluster, namespace, "far"), "Ready")), 60, op)
         assert "spec.model.hostPath.path" in ready["message"] and "/data/models" in ready["message"]
         assert names(cluster, "slices", namespace, "tokenfleet.dev/inference-service=far") == []
+
+        # issue 37, defect 1: the draft model is a model source like any other, under the same policy
+        for name, path in (("draft-etc", "/etc"), ("draft-kubelet", "/var/lib/kubelet/pods")):
+            apply(cluster, isvc(name, engine={"speculativeDecoding": {"method": "draft", "draftModel": {
+                "hostPath": {"path": path}}}}), namespace)
+        for name, path in (("draft-etc", "/etc"), ("draft-kubelet", "/var/lib/kubelet/pods")):
+            ready = wait_for(f"HostPathNotAllowed for {path}", functools.partial(
+                refused_with, cluster, namespace, name, "HostPathNotAllowed"), 60, op)
+            assert ready["status"] == "False"
+            assert f"spec.engine.speculativeDecoding.draftModel.hostPath.path: host path {path} " in ready["message"]
+            assert ("Warning", "HostPathNotAllowed", ready["message"]) in events(cluster, namespace, name)
+            assert names(cluster, "slices", namespace, f"tokenfleet.dev/inference-service={name}") == []
     finally:
         op.stop()
 
