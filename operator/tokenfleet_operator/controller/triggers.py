@@ -19,12 +19,9 @@ capacity and queues nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from pydantic import ValidationError
-
-from tokenfleet_operator.api.inference_service import InferenceServiceSpec
-from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.naming import SERVICE_LABEL, SLICE_LABEL
 
 Key = tuple[str, str | None, str]
@@ -109,9 +106,17 @@ def changes_placement(kind: str, old: dict[str, Any] | None, new: dict[str, Any]
 
 
 def pvc_claims(service: dict[str, Any]) -> set[str]:
-    """The PersistentVolumeClaims an InferenceService loads a model from (the model, the draft model, ...)."""
-    try:
-        spec = InferenceServiceSpec.model_validate(service.get("spec") or {})
-    except ValidationError:
-        return set()                     # an invalid spec waits for its own change, not for a claim
-    return {source.pvc.claim_name for _, source in model_sources(spec) if source.pvc is not None}
+    """The PersistentVolumeClaims an InferenceService loads a model from (the model, the draft model, ...): the
+    ``pvc.claimName`` of every model source (``api.model_source``), read from the object as stored, so that a
+    spec the operator refuses still names its claims."""
+    def claims(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            pvc = node.get("pvc")
+            if isinstance(pvc, dict) and isinstance(pvc.get("claimName"), str):
+                yield pvc["claimName"]
+            for child in node.values():
+                yield from claims(child)
+        elif isinstance(node, list):
+            for child in node:
+                yield from claims(child)
+    return set(claims(service.get("spec")))

@@ -89,6 +89,11 @@ def test_a_pvc_event_queues_the_services_that_wait_for_it():
     m.cache.store("InferenceService", isvc("other", 1, model={"path": "/m"}))
     m.observe("PersistentVolumeClaim", "ADDED", {"metadata": {"name": "weights", "namespace": "ns", "resourceVersion": "9"}})
     assert m.queue.get(0) == ("InferenceService", "ns", "uses") and m.queue.get(0) is None
+    # the draft model's claim is a model source's claim too (issue 37, defect 1)
+    m.cache.store("InferenceService", isvc("drafts", 1, model={"path": "/m"}, engine={"speculativeDecoding": {
+        "method": "draft", "draftModel": {"pvc": {"claimName": "draft"}}}}))
+    m.observe("PersistentVolumeClaim", "ADDED", {"metadata": {"name": "draft", "namespace": "ns", "resourceVersion": "10"}})
+    assert m.queue.get(0) == ("InferenceService", "ns", "drafts") and m.queue.get(0) is None
 
 
 def test_outcomes_decide_what_comes_next():
