@@ -241,17 +241,17 @@ class AutoscalingSpec(ApiModel):
     subresource instead."""
 
     target_requests_per_replica: float = Field(
-        default=8, description="Waiting plus running requests per ready replica that the autoscaler aims for.",
-        gt=0, le=100000,
+        default=8, description="Waiting plus running requests per ready replica that the autoscaler aims for; at "
+        "least 0.01.", ge=0.01, le=100000,
     )
     target_kv_cache_usage: float = Field(
-        default=0.8, description="Mean KV-cache usage of the ready replicas (0..1) that the autoscaler aims for.",
-        gt=0, le=1,
+        default=0.8, description="Mean KV-cache usage of the ready replicas (0.01..1) that the autoscaler aims for.",
+        ge=0.01, le=1,
     )
     target_waiting_per_replica: float | None = Field(
         default=None, description="Requests waiting for a batch slot per ready replica that the autoscaler aims for: the "
         "engines' queues (vllm:num_requests_waiting) plus the requests the router holds. Unset: the queue is no signal "
-        "of its own (it still counts in targetRequestsPerReplica).", gt=0, le=100000,
+        "of its own (it still counts in targetRequestsPerReplica). At least 0.01.", ge=0.01, le=100000,
     )
     metric_window_seconds: int = Field(
         default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "

@@ -145,24 +145,33 @@ class Recommendation:
     limited: bool = False                 # the signals ask for more than maxReplicas
 
 
-def _load_need(mean: float, latest: float, target: float, ready: int, asked: int,
+def _replicas(ratio: float, cap: int) -> int:
+    """ceil(ratio) as a replica count, clamped to [0, cap] before it becomes an int: a load over a tiny target, an
+    infinite reading or a NaN can neither overflow the conversion nor ask for more than ``cap``."""
+    if not ratio > 0:                     # NaN too: no reading asks for nothing
+        return 0
+    return math.ceil(min(ratio - 1e-9, cap))
+
+
+def _load_need(mean: float, latest: float, target: float, ready: int, asked: int, cap: int,
                ahead: float = 0.0, starting: bool = False) -> tuple[int, float, str]:
     """(replicas, load they were sized for, how it was read) for a load signal: its mean, or the mean plus the
     rise expected before a new replica is ready (``ahead``) where that needs more; or the latest readings where
     they are at least PANIC_FACTOR times the load the replicas already asked for (``asked``, ready or starting)
     are sized for. A mean within TOLERANCE of the ready replicas' target load needs just them. While replicas
     asked for are still starting, the mean's need is at most those: they have not had their chance, and the
-    queue that the ready ones build meanwhile is what they are on their way to take."""
-    n_mean = math.ceil(mean / target - 1e-9)
+    queue that the ready ones build meanwhile is what they are on their way to take. ``cap``: the most replicas
+    worth counting (more than maxReplicas is all the same)."""
+    n_mean = _replicas(mean / target, cap)
     if ready > 0 and abs(mean / (ready * target) - 1) <= TOLERANCE + 1e-9:
         n_mean = ready
     how = ""
-    n_ahead = math.ceil((mean + ahead) / target - 1e-9)
+    n_ahead = _replicas((mean + ahead) / target, cap)
     if ahead > 0 and n_ahead > n_mean and (ready <= 0 or (mean + ahead) / (ready * target) - 1 > TOLERANCE + 1e-9):
         n_mean, mean, how = n_ahead, mean + ahead, "ahead"
     if starting and n_mean > asked:
         n_mean, how = asked, "starting"
-    n_latest = math.ceil(latest / target - 1e-9)
+    n_latest = _replicas(latest / target, cap)
     if n_latest > n_mean and latest >= PANIC_FACTOR * target * max(asked, 1) - 1e-9:
         return n_latest, latest, "now"
     return n_mean, mean, how
@@ -174,13 +183,14 @@ def _now(how: str) -> str:
 
 
 def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[int, Why, str]]:
+    cap = t.max_replicas + 1              # one more than maxReplicas: the signals ask for more than it allows
     needs = []
     if t.requests_per_replica > 0:
         # look ahead only from a fleet that is all up: while replicas start, the ready ones' climbing queue is
         # no forecast of the load
         ahead = 0.0 if starting else max(s.requests_trend, 0.0) * s.lookahead_s
         n, load, how = _load_need(s.requests, s.latest_requests, t.requests_per_replica, s.ready_replicas, current,
-                                  ahead, starting > 0)
+                                  cap, ahead, starting > 0)
         said = (f"{load:.3g} requests in flight in {s.lookahead_s:.0f} s at the rise of {s.requests_trend:.2g}/s "
                 f"(a replica's startup, plus half the window)" if how == "ahead"
                 else f"{load:.3g} requests in flight{_now(how)}")
@@ -188,12 +198,12 @@ def _needs(t: Targets, current: int, s: Signals, starting: int) -> list[tuple[in
                                        + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if t.waiting_per_replica > 0:
         n, load, how = _load_need(s.waiting, s.latest_waiting, t.waiting_per_replica, s.ready_replicas, current,
-                                  starting=starting > 0)
+                                  cap, starting=starting > 0)
         needs.append((n, Why.WAITING, f"{load:.3g} requests waiting for a batch slot{_now(how)}, "
                                       f"target {t.waiting_per_replica:g} per replica"
                                       + (f"; waiting for {starting} starting" if how == "starting" else "")))
     if s.kv_cache_usage is not None and t.kv_cache_usage > 0 and s.ready_replicas > 0:
-        n = math.ceil(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage - 1e-9)
+        n = _replicas(s.ready_replicas * s.kv_cache_usage / t.kv_cache_usage, cap)
         needs.append((n, Why.KV_CACHE, f"KV cache {s.kv_cache_usage:.0%} used, target {t.kv_cache_usage:.0%}"))
     if s.slo_attainment is not None and s.slo_attainment < t.slo_attainment:
         # one more than the replicas serving now: a replica that is still starting has not had its chance (the
@@ -215,6 +225,10 @@ def _headroom(t: Targets, current: int, target: int, s: Signals) -> str | None:
             f"SLO {t.slo_ttft_s:.3f} s")
 
 
+def _within(t: Targets, replicas: int) -> int:
+    return max(t.min_replicas, min(t.max_replicas, replicas))
+
+
 def recommend(t: Targets, current: int, s: Signals | None, history: History, now: float,
               starting: int | None = None) -> Recommendation:
     """The replica count to run now, and why; ``history`` is updated with this step's raw recommendation.
@@ -222,7 +236,7 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
     replica whose pod is Ready, or that is stuck for long, is not counted); None: those beyond the ready ones."""
     keep = max(t.scale_up_stabilization_s, t.scale_down_stabilization_s)
     if s is None:
-        return Recommendation(max(current, t.min_replicas), Why.NO_SIGNALS, "no reading of the router yet")
+        return Recommendation(_within(t, current), Why.NO_SIGNALS, "no reading of the router yet")
     if current == 0:
         if s.pending == 0 and t.min_replicas == 0:
             return Recommendation(0, Why.SCALE_TO_ZERO, "no request waits")
@@ -255,14 +269,14 @@ def recommend(t: Targets, current: int, s: Signals | None, history: History, now
             target = max(max(window), current - t.max_scale_down) if covered else current
     else:
         target = current
-    target = max(t.min_replicas, min(t.max_replicas, target))
-    if 0 < target < current and why != Why.SCALE_TO_ZERO and t.slo_ttft_s > 0:
+    target, hold = _within(t, target), _within(t, current)
+    if 0 < target < hold and why != Why.SCALE_TO_ZERO and t.slo_ttft_s > 0:
         held = _headroom(t, current, target, s)
         if held is not None:
-            return Recommendation(current, Why.SLO_HEADROOM, f"{text}: {target} wanted, holding {current}: {held}", limited)
+            return Recommendation(hold, Why.SLO_HEADROOM, f"{text}: {target} wanted, holding {hold}: {held}", limited)
     if target == current and wanted != current:
         return Recommendation(current, Why.STABILIZING,
                               f"{text}: {wanted} wanted, holding {current} until the stabilization window agrees", limited)
     if limited:
-        text += f"; {raw} replicas would be needed, maxReplicas is {t.max_replicas}"
+        text += f"; more replicas would be needed, maxReplicas is {t.max_replicas}"
     return Recommendation(target, why, text, limited)

@@ -60,6 +60,12 @@ INVALID = [
     (isvc("svc", slo={"percentile": 100.5}), ["spec.slo.percentile", "less than or equal to 100"]),
     (isvc("svc", maxReplicas=4, autoscaling={"targetKvCacheUsage": 1.5}), ["spec.autoscaling.targetKvCacheUsage"]),
     (isvc("svc", maxReplicas=4, autoscaling={"targetRequestsPerReplica": 0}), ["spec.autoscaling.targetRequestsPerReplica"]),
+    # issue 37, defect 2: targets the autoscaler's arithmetic cannot take
+    (isvc("svc", maxReplicas=4, autoscaling={"targetRequestsPerReplica": 5e-324}),
+     ["spec.autoscaling.targetRequestsPerReplica", "0.01"]),
+    (isvc("svc", maxReplicas=4, autoscaling={"targetKvCacheUsage": 5e-324}), ["spec.autoscaling.targetKvCacheUsage", "0.01"]),
+    (isvc("svc", maxReplicas=4, autoscaling={"targetWaitingPerReplica": 0.005}),
+     ["spec.autoscaling.targetWaitingPerReplica", "0.01"]),
     (isvc("svc", resources={"requests": {"memory": "lots"}}), ["spec.resources.requests.memory"]),
     (slice_manifest(restartPolicy={"backoffSeconds": 600, "maxBackoffSeconds": 60}),
      ["spec.restartPolicy.backoffSeconds", "must not exceed maxBackoffSeconds"]),
