@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from tokenfleet_operator.api.common import ContainerResources
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.api.slice import SliceSpec
@@ -218,6 +221,15 @@ def _template_problems(template_spec: dict[str, Any]) -> list[Problem]:
             problems.append(
                 Problem("InvalidTemplate", f"spec.template.spec.containers[{i}]", "every container needs a name and an image")
             )
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(template_spec.get(kind) or []):
+            try:       # what the schema checks, for objects stored before it did (quantities Kubernetes overflows)
+                ContainerResources.model_validate((container.get("resources") if isinstance(container, dict) else None)
+                                                  or {})
+            except ValidationError as e:
+                first = e.errors()[0]
+                field = ".".join([f"spec.template.spec.{kind}[{i}].resources", *map(str, first["loc"])])
+                problems.append(Problem("InvalidTemplate", field, first["msg"]))
     return problems
 
 

@@ -3,10 +3,12 @@ accelerators, resource quantities, and the CRD metadata each resource carries.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 GROUP = "tokenfleet.dev"
@@ -28,9 +30,42 @@ TOPOLOGY_PATTERN = r"^[1-9][0-9]{0,3}(x[1-9][0-9]{0,3}){0,2}$"
 # An extended resource name such as "nvidia.com/gpu" or "google.com/tpu".
 RESOURCE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 
+# The largest quantity the API accepts, 8Pi = 2**53: Kubernetes counts cpu in milli-units in an int64, so
+# anything above about 9.2e15 overflows it (issue 37, defect 9: cpu 1e999 was accepted).
+MAX_QUANTITY = "8Pi"
+MAX_QUANTITY_VALUE = Decimal(2) ** 53
+_SUFFIXES = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal("1e3"),
+             "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
+             **{f"{p}i": Decimal(1024) ** (i + 1) for i, p in enumerate("KMGTPE")}}
+
+
+def quantity_value(quantity: int | str) -> Decimal | None:
+    """The value of a resource.Quantity string (or int); None when it is not one (the schema's pattern says so)."""
+    match = re.fullmatch(r"\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([a-zA-Z]{0,2}|[eE][-+]?[0-9]+)", str(quantity))
+    if match is None:
+        return None
+    number, suffix = match.groups()
+    if suffix in _SUFFIXES:
+        return Decimal(number) * _SUFFIXES[suffix]
+    return Decimal(number + suffix) if suffix[1:].lstrip("+-").isdigit() else None   # exact, whatever the exponent
+
+
+def _countable(quantity: int | str) -> int | str:
+    value = quantity_value(quantity)
+    if value is not None and value > MAX_QUANTITY_VALUE:
+        raise ValueError(f"{quantity} is more than Kubernetes can count: at most {MAX_QUANTITY}")
+    return quantity
+
+
 Quantity = Annotated[
     int | str,
-    Field(json_schema_extra={"pattern": QUANTITY_PATTERN, "minimum": 0, "maxLength": 64}),
+    Field(json_schema_extra={
+        "pattern": QUANTITY_PATTERN, "minimum": 0, "maximum": int(MAX_QUANTITY_VALUE), "maxLength": 64,
+        "x-kubernetes-validations": [{
+            "rule": f"!isQuantity(string(self)) || !quantity(string(self)).isGreaterThan(quantity('{MAX_QUANTITY}'))",
+            "message": f"must be at most {MAX_QUANTITY} (2^53): a larger quantity overflows Kubernetes' 64-bit count of milli-units"}],
+    }),
+    AfterValidator(_countable),
 ]
 
 # One segment of a path that cannot climb out of where it is mounted: anything but "." and "..".

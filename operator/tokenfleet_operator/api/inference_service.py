@@ -234,6 +234,11 @@ class SloSpec(ApiModel):
     )
 
 
+# The API server checks a fractional minimum against an integer value truncated (0 passes minimum 0.01), so the
+# autoscaler's targets carry the bound as a CEL rule too (issue 37, defect 2).
+AT_LEAST_A_HUNDREDTH = {"x-kubernetes-validations": [rule("self >= 0.01", "must be at least 0.01")]}
+
+
 class AutoscalingSpec(ApiModel):
     """The built-in autoscaler, on when maxReplicas is set: it runs between minReplicas and maxReplicas replicas
     and reports the count it runs in status.desiredReplicas (spec.replicas is then only the starting count; it is
@@ -242,16 +247,17 @@ class AutoscalingSpec(ApiModel):
 
     target_requests_per_replica: float = Field(
         default=8, description="Waiting plus running requests per ready replica that the autoscaler aims for; at "
-        "least 0.01.", ge=0.01, le=100000,
+        "least 0.01.", ge=0.01, le=100000, json_schema_extra=AT_LEAST_A_HUNDREDTH,
     )
     target_kv_cache_usage: float = Field(
         default=0.8, description="Mean KV-cache usage of the ready replicas (0.01..1) that the autoscaler aims for.",
-        ge=0.01, le=1,
+        ge=0.01, le=1, json_schema_extra=AT_LEAST_A_HUNDREDTH,
     )
     target_waiting_per_replica: float | None = Field(
         default=None, description="Requests waiting for a batch slot per ready replica that the autoscaler aims for: the "
         "engines' queues (vllm:num_requests_waiting) plus the requests the router holds. Unset: the queue is no signal "
         "of its own (it still counts in targetRequestsPerReplica). At least 0.01.", ge=0.01, le=100000,
+        json_schema_extra=AT_LEAST_A_HUNDREDTH,
     )
     metric_window_seconds: int = Field(
         default=30, description="The load signals (requests, waiting requests, KV-cache usage) are their mean over the "

@@ -150,6 +150,13 @@ HARDENED = [
     (template(serviceAccountName="Not A Name"), ["spec.template.spec.serviceAccountName"]),
     (labelled({"team": "a b"}), ["spec.template.metadata.labels.team"]),
     (labelled({"bad key!": "a"}), ["spec.template.metadata.labels", "label keys"]),
+    # issue 37, defect 9: quantities Kubernetes would overflow, on every resources map
+    (isvc("svc", resources={"requests": {"cpu": "1e999"}}), ["spec.resources.requests[cpu]", "at most 8Pi"]),
+    (isvc("svc", resources={"limits": {"memory": "9Pi"}}), ["spec.resources.limits[memory]", "at most 8Pi"]),
+    (isvc("svc", resources={"requests": {"cpu": 10 ** 16}}), ["spec.resources.requests.cpu"]),
+    (isvc("svc", routing={"resources": {"limits": {"cpu": "1E18"}}}), ["spec.routing.resources.limits[cpu]", "at most 8Pi"]),
+    (template(containers=[container(resources={"requests": {"memory": "1e999"}})]),
+     ["spec.template.spec.containers[0].resources.requests[memory]", "at most 8Pi"]),
     # defect 9: a model name is never a flag
     (isvc("svc", model={"path": "/m", "servedModelNames": ["--api-key"]}), ["spec.model.servedModelNames[0]"]),
     (isvc("svc", model={"path": "/m", "servedModelNames": ["two words"]}), ["spec.model.servedModelNames[0]"]),
@@ -178,7 +185,8 @@ def test_api_server_rejects_invalid_objects_naming_the_field(installed, namespac
                                               "limits": {"nvidia.com/gpu": 1}})],
              initContainers=[container(name="init")], serviceAccountName="runner"),
     labelled({"example.com/team": "a_b.c-d", "empty": ""}),
-], ids=["isvc", "pvc-subpath", "pvc-store", "containers", "labels"])
+    isvc("svc", resources={"requests": {"cpu": "1e3", "memory": "8Pi"}, "limits": {"cpu": 9007199254740992}}),
+], ids=["isvc", "pvc-subpath", "pvc-store", "containers", "labels", "largest-quantities"])
 def test_what_the_hardened_schema_still_accepts(installed, namespace, manifest):
     out = apply(installed, manifest, namespace, check=False)
     assert out.returncode == 0, out.stderr
