@@ -33,6 +33,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "NetworkPolicy": ("networkpolicies", True),
     "Deployment": ("deployments", True),
     "Node": ("nodes", False),
+    "Namespace": ("namespaces", False),
     "InferenceService": ("inferenceservices", True),
     "Slice": ("slices", True),
     "SliceQueue": ("slicequeues", False),

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector
+    from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector, LeaseNamespaceMissing
     from tokenfleet_operator.controller.manager import Manager
     from tokenfleet_operator.controller.triggers import GANG_PASS
     from tokenfleet_operator.gang.cluster_view import CachedCluster
@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             kube, ElectionConfig(args.lease_namespace, args.lease_name, args.identity, lease_seconds=args.lease_seconds,
                                  renew_deadline=args.lease_seconds * 0.7, retry_period=args.lease_seconds * 0.2),
             on_started=manager.start_leading, on_stopped=lost)
+        try:
+            elector.step()           # the first try at once: a Lease namespace that is missing is an error to fix
+        except LeaseNamespaceMissing as e:
+            log.error("%s", e)
+            print(f"tokenfleet operator: error: {e}", file=sys.stderr)
+            manager.stop()
+            return 2
         elector.start()
     if args.metrics_port:
         start_http_server(args.metrics_port)

@@ -31,6 +31,18 @@ def _micro_time(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+class LeaseNamespaceMissing(RuntimeError):
+    """The Lease's namespace does not exist: no replica can ever lead, so the operator exits and says what to do
+    (as controller-runtime does for a leader-election namespace it cannot use)."""
+
+    def __init__(self, namespace: str):
+        super().__init__(
+            f"the leader Lease's namespace {namespace!r} does not exist, so this operator can never lead: create it "
+            f"(kubectl create namespace {namespace}, or apply manifests/base), or pass --lease-namespace with an "
+            "existing namespace, or --no-leader-election (a single replica only)")
+        self.namespace = namespace
+
+
 @dataclass(frozen=True)
 class ElectionConfig:
     namespace: str
@@ -77,12 +89,19 @@ class LeaderElector:
         return {"apiVersion": LEASE_API, "kind": "Lease", "metadata": meta, "spec": spec}
 
     def try_acquire_or_renew(self) -> bool:
-        """One attempt; True if this replica holds the Lease afterwards."""
+        """One attempt; True if this replica holds the Lease afterwards. Raises LeaseNamespaceMissing when the
+        Lease's namespace does not exist."""
         c = self.config
         now = self.clock()
-        lease = self.kube.get(LEASE_API, "Lease", c.namespace, c.name)
+        try:
+            lease = self.kube.get(LEASE_API, "Lease", c.namespace, c.name)
+            created = self.kube.create(self._lease_body(None)) if lease is None else None
+        except KubeError as e:
+            # 404 on a create: the namespace is missing; 403: RBAC is checked first, so it may be missing too
+            if e.status in (403, 404) and self._namespace_missing():
+                raise LeaseNamespaceMissing(c.namespace) from e
+            raise
         if lease is None:
-            created = self.kube.create(self._lease_body(None))
             return created is not None
         spec = lease.get("spec") or {}
         record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
@@ -100,6 +119,12 @@ class LeaderElector:
             raise
         return True
 
+    def _namespace_missing(self) -> bool:
+        try:
+            return self.kube.get("v1", "Namespace", None, self.config.namespace) is None
+        except KubeError:
+            return False                     # cannot tell (no right to read namespaces): keep trying
+
     def release(self) -> None:
         """Give the Lease up (a clean stop), so a standby need not wait for it to expire."""
         c = self.config
@@ -114,7 +139,8 @@ class LeaderElector:
 
     # ---- the loop -----------------------------------------------------------------
     def step(self) -> None:
-        """One round: try to acquire or renew, and start or stop leading accordingly."""
+        """One round: try to acquire or renew, and start or stop leading accordingly. Raises
+        LeaseNamespaceMissing, which no later round can mend."""
         c = self.config
         try:
             held = self.try_acquire_or_renew()
@@ -136,7 +162,13 @@ class LeaderElector:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.step()
+            try:
+                self.step()
+            except LeaseNamespaceMissing as e:       # deleted after the start: no replica can lead any more
+                log.critical("%s", e)
+                self.leading = False
+                self.on_stopped()
+                return
             self._stop.wait(self.config.retry_period)
 
     def start(self) -> None:

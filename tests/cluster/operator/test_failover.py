@@ -69,3 +69,19 @@ def test_the_standby_takes_over_a_scale_up_when_the_leader_is_killed(cluster, na
     finally:
         a.stop()
         b.stop()
+
+
+def test_an_operator_whose_lease_namespace_is_missing_exits_saying_what_to_do(cluster, namespace, tmp_path):
+    """Issue 37, defect 10: it used to warn every 2 s and never reconcile. As the operator's ServiceAccount the
+    API server answers 403 (RBAC is checked before the namespace), so the operator looks the namespace up."""
+    install(cluster)
+    op = Operator(cluster, namespace, tmp_path / "op.log", extra=("--lease-namespace=no-such-namespace",)).start()
+    try:
+        assert op.proc is not None
+        code = op.proc.wait(timeout=60)
+        log = op.log()
+        assert code == 2, log
+        assert "error: the leader Lease's namespace 'no-such-namespace' does not exist" in log
+        assert "kubectl create namespace no-such-namespace" in log and "--no-leader-election" in log
+    finally:
+        op.kill()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 
-from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector
+import pytest
+
+from tokenfleet_operator.controller.leader import ElectionConfig, LeaderElector, LeaseNamespaceMissing
 from tokenfleet_operator.kube import KubeError
 
 
@@ -14,15 +16,24 @@ class LeaseStore:
 
     def __init__(self):
         self.obj, self.rv, self.down = None, 0, False
+        self.namespace_exists, self.rbac = True, True    # the Lease's namespace; a Role that lets us at Leases
 
     def get(self, api_version, kind, namespace, name):
         if self.down:
             raise KubeError(0, "connection refused")
-        return copy.deepcopy(self.obj)
+        if kind == "Namespace":
+            return {"metadata": {"name": name}} if self.namespace_exists else None
+        if not self.rbac:                                  # the API server checks RBAC before the namespace
+            raise KubeError(403, "leases is forbidden")
+        return copy.deepcopy(self.obj) if self.namespace_exists else None
 
     def create(self, manifest):
         if self.down:
             raise KubeError(0, "connection refused")
+        if not self.rbac:
+            raise KubeError(403, "leases is forbidden")
+        if not self.namespace_exists:
+            raise KubeError(404, 'namespaces "ns" not found', reason="NotFound")
         if self.obj is not None:
             return None
         self.rv += 1
@@ -131,3 +142,37 @@ def test_two_replicas_racing_for_a_free_lease_never_both_win():
         except KubeError as err:
             assert err.status == 409
     assert len(wins) == 1
+
+
+@pytest.mark.parametrize("rbac", [True, False], ids=["admin", "operator-role"])
+def test_a_missing_lease_namespace_is_an_error_that_says_what_to_do(rbac):
+    """Issue 37, defect 10: an operator whose Lease namespace does not exist warned every 2 s and never led."""
+    store, clock, events = LeaseStore(), Clock(), []
+    store.namespace_exists, store.rbac = False, rbac
+    a = elector(store, "a", clock, events)
+    with pytest.raises(LeaseNamespaceMissing) as missing:
+        a.step()
+    message = str(missing.value)
+    assert "'ns' does not exist" in message and "kubectl create namespace ns" in message
+    assert "--lease-namespace" in message and "--no-leader-election" in message
+    assert not a.leading and events == []
+
+
+def test_no_right_to_leases_in_an_existing_namespace_is_retried_not_fatal():
+    store, clock, events = LeaseStore(), Clock(), []
+    store.rbac = False
+    a = elector(store, "a", clock, events)
+    a.step()                                               # a warning; the Role may be applied in a moment
+    store.rbac = True
+    a.step()
+    assert a.leading and events == [("start", "a")]
+
+
+def test_a_lease_namespace_deleted_under_a_standby_stops_it():
+    store, clock, events = LeaseStore(), Clock(), []
+    a, b = elector(store, "a", clock, events), elector(store, "b", clock, events)
+    a.step()
+    store.namespace_exists = False                         # the namespace goes, with the Lease in it
+    b.start()
+    b._thread.join(timeout=5)
+    assert not b._thread.is_alive() and events == [("start", "a"), ("stop", "b")]
