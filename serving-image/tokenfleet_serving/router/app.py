@@ -16,6 +16,12 @@ else 401. The client's ``Authorization`` header never reaches a backend: the
 router sends its own backend key instead (the replicas' ``--api-key``), which
 clients never see. Every error the router itself answers is an OpenAI error
 body, down to what aiohttp refuses before a handler runs (``server/connection.py``).
+
+Limits (docs/routing.md, "Limits"): a held request counts its body's bytes against ``--max-held-bytes``
+(503 with ``Retry-After`` past it); a session id longer than ``MAX_SESSION_KEY_CHARS`` or with bytes that
+are not printable ASCII is a 400 naming the header; a backend that sends nothing and answers no poll for
+``--stall-timeout`` seconds (a frozen process) is given up: a request waiting for its answer goes to another
+backend, a stream it was relaying is continued elsewhere (``migration.py``).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from tokenfleet_serving.router.migration import (
     DONE_EVENT,
     MIGRATION_WAIT_S,
     NO_BACKEND,
+    STALLED,
     TARGET_ERROR,
     StreamState,
     error_event,
@@ -56,13 +63,14 @@ from tokenfleet_serving.router.observe import (
     carries_output,
     completion_tokens,
     event_json,
+    is_client_error,
     is_usage_only,
     meets_slo,
 )
 from tokenfleet_serving.router.policy import SESSION, PolicyParams, RouteRequest, choose, choose_tier
 from tokenfleet_serving.router.prefix import block_hashes
 from tokenfleet_serving.router.prompt import prompt_info
-from tokenfleet_serving.router.state import BackendState, Fleet, poll_forever
+from tokenfleet_serving.router.state import MAX_SESSION_KEY_CHARS, MAX_SESSIONS, BackendState, Fleet, poll_forever
 from tokenfleet_serving.server.connection import DEFAULT_BODY_TIMEOUT_S, read_body, send_and_close
 from tokenfleet_serving.server.protocol import ApiError, error_body, parse_json_body
 
@@ -70,28 +78,39 @@ log = logging.getLogger("tokenfleet.router")
 
 MAX_ATTEMPTS = 3
 MAX_HELD_REQUESTS = 1024        # requests held at once while no replica is ready (noReplicaHoldSeconds)
+MAX_HELD_BYTES = 64 * 2**20     # their bodies' bytes, together (--max-held-bytes)
+STALL_TIMEOUT_S = 15.0          # a backend silent this long, polls included, is frozen (--stall-timeout)
 MAX_OBSERVED_BODY = 16 * 2**20      # a non-streamed response is parsed for its usage up to this size
 RETRY_AFTER_S = "1"
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Request headers not passed on: hop-by-hop ones, and the client's credentials (the router sends its own).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
-                        "authorization", "cookie"})
+                        "authorization", "cookie",
+                        "content-encoding"})     # the router sends the body decoded (read_body decodes it)
 RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Length", "Content-Encoding", "Retry-After", "Cache-Control",
                             "X-Request-Id")
 
 
+class BackendStalledError(Exception):
+    """The backend sent nothing and answered no poll for the stall timeout."""
+
+
 @dataclass
 class _Request:
-    """What the router needs to send one request again: to the next backend, or as a stream's continuation."""
+    """One request as the router holds it: the body once, as the bytes sent to a backend (``body``, the parsed
+    JSON, is dropped once the route is chosen), and what it takes to send it again: to the next backend, or as a
+    stream's continuation."""
 
     path: str
-    body: Any
-    headers: dict[str, str]
-    hashes: tuple[str, ...]
-    tier: str
-    session_key: str | None
-    sequence: int
-    fallback: bool
+    raw: bytes
+    body: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    hashes: tuple[str, ...] = ()
+    tier: str = ""
+    session_key: str | None = None
+    sequence: int = 0
+    fallback: bool = False
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -116,7 +135,9 @@ class Router:
     def __init__(self, config: RouterConfig, endpoints_path: str | Path, tokenizer: Tokenizer | None, *,
                  poll_interval_s: float = 0.5, endpoints_interval_s: float = 1.0,
                  backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096,
-                 client_keys: ClientKeys | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+                 client_keys: ClientKeys | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 max_held_bytes: int = MAX_HELD_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S,
+                 max_sessions: int = MAX_SESSIONS):
         self.config = config
         self.client_keys = client_keys
         self.body_timeout_s = body_timeout_s
@@ -125,9 +146,13 @@ class Router:
         self.tokenizer = tokenizer
         self.backend_api_key = backend_api_key
         self.params = PolicyParams(config.policy, config.load_factor, config.kv_usage_threshold, config.load_slack)
-        self.fleet = Fleet(config, interval_s=poll_interval_s)
+        self.fleet = Fleet(config, interval_s=poll_interval_s, max_sessions=max_sessions)
         self.metrics = RouterMetrics(self.fleet, tokenizer is not None)
         self.pending = 0                      # requests held while no replica is ready (scale from zero)
+        self.held_bytes = 0                   # their bodies' bytes
+        self.max_held_bytes = max_held_bytes
+        self.stall_timeout_s = stall_timeout_s
+        self.metrics.held_bytes = lambda: self.held_bytes
         self.last_request_at = self.fleet.clock()
         self.metrics.pending = lambda: self.pending
         self.metrics.idle_s = lambda: self.fleet.clock() - self.last_request_at
@@ -229,12 +254,14 @@ class Router:
             response = error_response(500, "the router failed; see its log")
         if request.path.startswith("/v1/"):
             self.metrics.responses.labels(code=str(response.status)).inc()
+            if request.path in GENERATION_PATHS and is_client_error(response.status):
+                self.metrics.client_errors.labels(code=str(response.status)).inc()
         return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.client_keys is not None and request.path.startswith("/v1/"):
-            if not self.client_keys.allows(request.headers.get("Authorization")):
+            if not self.client_keys.allows(request.headers.get("Authorization")):   # any bytes: 401, never 500
                 raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -283,80 +310,131 @@ class Router:
             return ScaleFromZero(MAX_HELD_REQUESTS, self.config.no_replica_hold_s)
         return None
 
-    async def _hold(self, ctx: _Request | None = None) -> bool:
-        """No replica is ready (or none took the request): wait, bounded in count and time, until one is."""
+    async def _hold(self, ctx: _Request) -> bool:
+        """No replica is ready (or none took the request): wait, bounded in count, bytes and time, until one is.
+        The request waits with its body once, as bytes (``ctx.raw``)."""
         hold = self._hold_limits()
-        if hold is None or self.pending >= hold.max_pending or not self.fleet.endpoints_loaded:
+        size = len(ctx.raw)
+        if hold is None or not self._may_hold(size):
             return False
         self.pending += 1
+        self.held_bytes += size
         try:
             deadline = self.fleet.clock() + hold.timeout_s
             while self.fleet.clock() < deadline:
-                excluded = ctx.excluded(self.fleet) if ctx is not None else set()
+                excluded = ctx.excluded(self.fleet)
                 if any(b.name not in excluded for b in self.fleet.routable()):
                     return True
                 await asyncio.sleep(0.1)
             return False
         finally:
             self.pending -= 1
+            self.held_bytes -= size
+
+    def _may_hold(self, size: int) -> bool:
+        """Whether one more request of ``size`` body bytes may be held (counted when not: 503)."""
+        hold = self._hold_limits()
+        if hold is None or not self.fleet.endpoints_loaded:
+            return False
+        if self.pending >= hold.max_pending:
+            self.metrics.hold_refusals.labels(reason="count").inc()
+            return False
+        if self.held_bytes + size > self.max_held_bytes:
+            self.metrics.hold_refusals.labels(reason="bytes").inc()
+            return False
+        return True
 
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
         if self.draining:
             return error_response(503, "the router is shutting down", retry_after=True)
+        session = self._session_id(request)
+        if not self.fleet.routable() and not self._may_hold(request.content_length or 0):
+            # it could not be held: answered before its body is read (a miss: the fleet has no room for it)
+            timing = Timing(self.fleet.clock(), stream=False)
+            timing.finished = timing.arrived
+            self.metrics.observe(timing, False, False)
+            return self._no_backend(self.config.tiers[-1].name)
         raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
-        body = parse_json_body(raw)      # what the server would refuse as a body, the router refuses alike
-        timing = Timing(self.fleet.clock(), stream=isinstance(body, dict) and body.get("stream") is True)
+        # what the server would refuse as a body, the router refuses alike
+        ctx = _Request(path, raw, parse_json_body(raw), session_key=session)
+        del raw
+        timing = Timing(self.fleet.clock(), stream=isinstance(ctx.body, dict) and ctx.body.get("stream") is True)
         self.last_request_at = timing.arrived
         try:
             if not self.fleet.routable():
-                timing.held = await self._hold()
-            return await self._route(request, kind, path, body, raw, timing)
+                if not self._may_hold(len(ctx.raw)):
+                    return self._no_backend(self.config.tiers[-1].name)
+                ctx.body = None          # while it waits, the body is held once, as bytes
+                timing.held = await self._hold(ctx)
+                ctx.body = parse_json_body(ctx.raw)
+            return await self._route(request, kind, ctx, timing)
+        except ApiError as exc:
+            timing.client_error = is_client_error(exc.status)
+            raise
         finally:
             timing.finished = timing.finished or self.fleet.clock()
-            if not timing.client_error:      # a request the backend refused as invalid is not a service miss
+            if not timing.client_error:      # a request refused as the client's fault is no service miss
                 self.metrics.observe(timing, meets_slo(self.config.slo, timing), timing.held)
 
-    async def _route(self, request: web.Request, kind: str, path: str, body: Any, raw: bytes,
-                     timing: Timing) -> web.StreamResponse:
+    def _session_id(self, request: web.Request) -> str | None:
+        """The session id (``sessionAffinity.header``) when affinity is on; a 400 naming the header when it is
+        longer than MAX_SESSION_KEY_CHARS or has bytes other than printable ASCII (space to tilde)."""
+        affinity = self.config.session_affinity
+        if not affinity.enabled:
+            return None
+        value = request.headers.get(affinity.header)
+        if value is None:
+            return None
+        if not value or len(value) > MAX_SESSION_KEY_CHARS or not all(" " <= c <= "~" for c in value):
+            raise ApiError(400, f"the {affinity.header} header must be 1 to {MAX_SESSION_KEY_CHARS} printable ASCII "
+                                f"characters (got {len(value.encode('utf-8', 'surrogateescape'))} bytes"
+                                f"{'' if value.isascii() else ', not all ASCII'})", affinity.header)
+        return value
+
+    async def _route(self, request: web.Request, kind: str, ctx: _Request, timing: Timing) -> web.StreamResponse:
         client_wants_usage = True
         stream: StreamState | None = None
+        body = ctx.body
         if isinstance(body, dict) and "continuation" in body:
             raise ApiError(400, "'continuation' is set by the router only (stream migration); send the request "
                                 "without it", "continuation")
+        changed = False
         if timing.stream and isinstance(body, dict):
             client_wants_usage = ask_for_usage(body)
             # token ids let the router continue the stream elsewhere if its backend fails (migration.py)
             stream = StreamState(client_wants_token_ids=body.get("return_token_ids") is True)
             body["return_token_ids"] = True
-            raw = json.dumps(body).encode()
+            changed = True
         if self.tokenizer is not None and isinstance(body, dict):
             info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
         else:
             info = prompt_info(kind, body, None)
-        hashes = block_hashes(info.token_ids, self.config.kv_block_size) if info.token_ids else ()
+        ctx.hashes = block_hashes(info.token_ids, self.config.kv_block_size) if info.token_ids else ()
 
         tiers = self.config.tiers
         picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
+        del info
         if picked is None:
             return self._no_backend(tiers[-1].name)
-        tier, fallback = picked
+        tier, ctx.fallback = picked
+        ctx.tier = tier.name
         if tier.model and isinstance(body, dict) and body.get("model") != tier.model:
             body["model"] = tier.model
-            raw = json.dumps(body).encode()
-
-        affinity = self.config.session_affinity
-        session_key = request.headers.get(affinity.header) if affinity.enabled else None
-        ctx = _Request(path, body, self._backend_headers(request), hashes, tier.name, session_key,
-                       next(self.sequence), fallback)
-        opened = await self._open(ctx, raw)
+            changed = True
+        if changed:
+            ctx.raw = json.dumps(body).encode()
+        ctx.body = body = None           # from here on the body is held once, as the bytes sent
+        ctx.headers = self._backend_headers(request)
+        ctx.sequence = next(self.sequence)
+        opened = await self._open(ctx)
         if opened is None and await self._hold(ctx):     # none took it: wait for one to be back
             timing.held = True
-            opened = await self._open(ctx, raw)
+            opened = await self._open(ctx)
         if opened is None:
             return self._no_backend(tier.name)
         backend, reason, upstream, matched = opened
-        if hashes:
-            self.metrics.prefix_query_blocks.inc(len(hashes))
+        if ctx.hashes:
+            self.metrics.prefix_query_blocks.inc(len(ctx.hashes))
             self.metrics.prefix_hit_blocks.inc(matched)
         try:
             return await self._relay(request, upstream, backend.name, reason, timing, client_wants_usage,
@@ -364,11 +442,13 @@ class Router:
         finally:
             self._close(upstream, backend)
 
-    async def _open(self, ctx: _Request, raw: bytes
+    async def _open(self, ctx: _Request, raw: bytes | None = None
                     ) -> tuple[BackendState, str, aiohttp.ClientResponse, int] | None:
-        """Send the request to the best backend that takes it (at most MAX_ATTEMPTS tries: a backend that
-        refuses the connection or answers 503 is marked failed and skipped). Returns (backend, route reason,
-        response, matched blocks) with the backend's inflight count taken, or None."""
+        """Send the request (``raw``, else ``ctx.raw``) to the best backend that takes it (at most MAX_ATTEMPTS
+        tries: a backend that refuses the connection, answers 503 or stalls before it answers is marked failed
+        and skipped). Returns (backend, route reason, response, matched blocks) with the backend's inflight count
+        taken, or None."""
+        data = ctx.raw if raw is None else raw
         for _ in range(MAX_ATTEMPTS):
             now = self.fleet.clock()
             pinned = self.fleet.sessions.pinned(ctx.session_key, now) if ctx.session_key else None
@@ -384,8 +464,9 @@ class Router:
             self.fleet.note_routed(decision.backend, ctx.hashes)
             backend.inflight += 1
             try:
-                upstream = await self.session.post(backend.endpoint.url + ctx.path, data=raw, headers=ctx.headers)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                upstream = await self._unless_stalled(
+                    decision.backend, self.session.post(backend.endpoint.url + ctx.path, data=data, headers=ctx.headers))
+            except (TimeoutError, aiohttp.ClientConnectionError, BackendStalledError) as exc:
                 backend.inflight -= 1
                 self.fleet.mark_failed(decision.backend, f"request failed: {type(exc).__name__}: {exc}")
                 self.metrics.retries.labels(backend=decision.backend).inc()
@@ -401,6 +482,44 @@ class Router:
                 continue
             return backend, reason, upstream, decision.matched_blocks
         return None
+
+    @property
+    def _stall_check_s(self) -> float:
+        return min(1.0, self.stall_timeout_s / 4)
+
+    async def _unless_stalled(self, backend: str, awaitable: Any) -> Any:
+        """The result of ``awaitable`` (an answer from ``backend``), unless the backend stalls first: nothing
+        from it, answers and polls alike, for the stall timeout (``Fleet.stalled``); then BackendStalledError."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._stall_check_s)
+                if done:
+                    return task.result()
+                if self.fleet.stalled(backend, self.stall_timeout_s):
+                    raise BackendStalledError(f"sent nothing and answered no poll for {self.stall_timeout_s:g} s")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _watch_for_stall(self, upstream: aiohttp.ClientResponse, backend: str) -> asyncio.Task:
+        """A task that closes ``upstream`` once its backend stalls (then its result is True), so a relay that
+        waits for the next bytes of a frozen backend ends."""
+        async def watch() -> bool:
+            while not self.fleet.stalled(backend, self.stall_timeout_s):
+                await asyncio.sleep(self._stall_check_s)
+            log.warning("backend %s sent nothing and answered no poll for %g s: giving up its response",
+                        backend, self.stall_timeout_s)
+            self.fleet.mark_failed(backend, f"stalled: nothing for {self.stall_timeout_s:g} s")
+            upstream.close()
+            return True
+
+        return asyncio.ensure_future(watch())
+
+    @staticmethod
+    def _stalled(watchdog: asyncio.Task) -> bool:
+        watchdog.cancel()
+        return watchdog.done() and not watchdog.cancelled() and watchdog.result() is True
 
     @staticmethod
     def _close(upstream: aiohttp.ClientResponse, backend: BackendState) -> None:
@@ -440,13 +559,14 @@ class Router:
                 await self._migrate(response, ctx, state, timing, client_wants_usage, backend, broken)
         timing.finished = self.fleet.clock()
         timing.ok = upstream.status == 200 and state.done and not state.errored
-        timing.client_error = 400 <= upstream.status < 500
+        timing.client_error = is_client_error(upstream.status)
         await response.write_eof()
         return response
 
     async def _relay_body(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse, backend: str,
                           timing: Timing) -> web.StreamResponse:
         body = bytearray()
+        watchdog = self._watch_for_stall(upstream, backend)
         try:
             async for chunk in upstream.content.iter_any():
                 self.fleet.note_alive(backend)
@@ -454,12 +574,15 @@ class Router:
                     body += chunk
                 await response.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            log.warning("backend %s broke off a response: %s", backend, exc)
-            self.fleet.mark_failed(backend, f"response broken off: {exc}")
+            if not self._stalled(watchdog):
+                log.warning("backend %s broke off a response: %s", backend, exc)
+                self.fleet.mark_failed(backend, f"response broken off: {exc}")
+            return response
+        if self._stalled(watchdog):
             return response
         timing.finished = self.fleet.clock()
         timing.ok = upstream.status == 200
-        timing.client_error = 400 <= upstream.status < 500
+        timing.client_error = is_client_error(upstream.status)
         if timing.ok:
             try:
                 timing.output_tokens = completion_tokens(json.loads(bytes(body))) or 0
@@ -474,6 +597,7 @@ class Router:
         ``[DONE]``), or why it broke off: the backend's connection failed before ``[DONE]``, or it sent an
         error event that means it is going away (the event is not relayed: the stream continues elsewhere)."""
         events = SseEvents()
+        watchdog = self._watch_for_stall(upstream, backend)
         try:
             async for chunk in upstream.content.iter_any():
                 self.fleet.note_alive(backend)
@@ -505,9 +629,15 @@ class Router:
                 if out:
                     await response.write(b"".join(out))
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            if self._stalled(watchdog):
+                return f"{STALLED}: nothing from it, polls included, for {self.stall_timeout_s:g} s"
             log.warning("backend %s broke off a stream: %s", backend, exc)
             self.fleet.mark_failed(backend, f"response broken off: {exc}")
             return f"{DISCONNECTED}: {type(exc).__name__}"
+        finally:
+            watchdog.cancel()
+        if self._stalled(watchdog):
+            return f"{STALLED}: nothing from it, polls included, for {self.stall_timeout_s:g} s"
         if not state.done:
             self.fleet.mark_failed(backend, "closed a stream before its end")
             return f"{DISCONNECTED}: closed before [DONE]"
@@ -564,7 +694,7 @@ class Router:
                                  ) -> tuple[BackendState, aiohttp.ClientResponse] | bytes | None:
         """Send the continuation to another backend: (backend, its streaming response); an error event
         carrying the error a backend answered with; or None when no backend took it."""
-        raw = json.dumps(state.continuation_body(ctx.body)).encode()
+        raw = json.dumps(state.continuation_body(json.loads(ctx.raw))).encode()
         deadline = self.fleet.clock() + max(self.config.no_replica_hold_s, MIGRATION_WAIT_S)
         while True:
             opened = await self._open(ctx, raw)

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request line and headers; then 408 and close")
     p.add_argument("--body-timeout", type=_positive_float, default=30.0,
                    help="seconds a client has to send the whole body after its headers; then 408 and close")
+    p.add_argument("--max-held-bytes", type=int, default=64 * 2**20,
+                   help="body bytes of all requests held while no replica is ready, together; past it 503 with "
+                        "Retry-After (tokenfleet_router_hold_refusals_total{reason=\"bytes\"})")
+    p.add_argument("--max-sessions", type=int, default=50_000,
+                   help="session keys remembered for session affinity; past it the least recently used is forgotten")
+    p.add_argument("--stall-timeout", type=_positive_float, default=15.0,
+                   help="seconds a backend may send nothing while its polls fail or time out; then it is taken as "
+                        "frozen: what waits on it goes to another backend, its streams are continued elsewhere")
     p.add_argument("--drain-timeout", type=_positive_float, default=25.0)
     p.add_argument("--log-level", default="info")
     return p
@@ -130,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = args.endpoints or str(Path(args.config).with_name("endpoints.json"))
     tokenizer = load_tokenizer(args.model or config.model_path)
     router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval, backend_api_key=backend_key,
-                    max_body_bytes=args.max_body_bytes, client_keys=client_keys, body_timeout_s=args.body_timeout)
+                    max_body_bytes=args.max_body_bytes, client_keys=client_keys, body_timeout_s=args.body_timeout,
+                    max_held_bytes=args.max_held_bytes, max_sessions=args.max_sessions,
+                    stall_timeout_s=args.stall_timeout)
     return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout))
 
 

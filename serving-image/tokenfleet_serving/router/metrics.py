@@ -7,8 +7,16 @@ are computed from the fleet state at scrape time.
 |---|---|---|
 | ``tokenfleet_router_requests_total{backend,reason,tier}`` | counter | routing decisions (reason: see policy.py) |
 | ``tokenfleet_router_responses_total{code}`` | counter | responses sent to clients, by HTTP status |
+| ``tokenfleet_router_client_errors_total{code}`` | counter | 4xx for the client's fault (not 429), |
+  by the router or a replica, on the completion routes; not in the SLO counters |
+| ``tokenfleet_router_held_request_bytes`` | gauge | body bytes of the requests held for a replica (bounded by ``--max-held-bytes``) |
+| ``tokenfleet_router_hold_refusals_total{reason}`` | counter | 503s instead of a hold: the held-request |
+  limit (``count``) or ``--max-held-bytes`` (``bytes``) |
+| ``tokenfleet_router_sessions`` | gauge | session keys remembered (bounded by ``--max-sessions``) |
+| ``tokenfleet_router_session_evictions_total`` | counter | session keys forgotten for room, least recently used first |
 | ``tokenfleet_router_retries_total{backend}`` | counter | requests re-routed because the backend could not be reached or was draining |
-| ``tokenfleet_router_migrations_total{reason}`` | counter | streams continued on another backend (migration.py) |
+| ``tokenfleet_router_migrations_total{reason}`` | counter | streams continued on another backend (migration.py); |
+  reason ``backend-disconnected``, ``backend-error`` or ``backend-stalled`` |
 | ``tokenfleet_router_migration_failures_total{reason}`` | counter | broken streams that could not be continued |
 | ``tokenfleet_router_prefix_query_blocks_total`` | counter | full prompt blocks of routed requests |
 | ``tokenfleet_router_prefix_hit_blocks_total`` | counter | of those, cached on the chosen backend (as far as the router knew) |
@@ -33,7 +41,8 @@ definitions in ``observe.py``):
 | ``tokenfleet_router_time_to_first_token_seconds`` | histogram | arrival to first output token (streamed requests) |
 | ``tokenfleet_router_time_per_output_token_seconds`` | histogram | (e2e - TTFT) / (tokens - 1) (streamed, 2+ tokens) |
 | ``tokenfleet_router_e2e_request_latency_seconds`` | histogram | arrival to the last byte |
-| ``tokenfleet_router_slo_requests_total{result}`` | counter | requests that met (``met``) or missed (``missed``) the SLO |
+| ``tokenfleet_router_slo_requests_total{result}`` | counter | requests that met (``met``) or missed (``missed``) the SLO; |
+  client errors (``observe.is_client_error``) are in neither |
 | ``tokenfleet_router_slo_output_tokens_total{result}`` | counter | their output tokens |
 | ``tokenfleet_router_output_tokens_total`` | counter | output tokens delivered to clients |
 | ``tokenfleet_router_pending_requests`` | gauge | requests held because no replica is ready (scale from zero) |
@@ -46,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenfleet_serving.contract import router_metrics as rm
 from tokenfleet_serving.contract.cost import cost_per_million_tokens
@@ -69,7 +78,15 @@ class RouterMetrics:
         self.migration_failures = Counter("tokenfleet_router_migration_failures", "Broken streams that could not "
                                           "be continued and ended with an error event, by why not.", ["reason"],
                                           registry=reg)
-        for reason in ("backend-disconnected", "backend-error"):
+        self.client_errors = Counter("tokenfleet_router_client_errors", "Completion requests answered with a 4xx "
+                                     "for the client's fault (429 excluded), by the router or a replica; not counted "
+                                     "as SLO misses.", ["code"], registry=reg)
+        self.hold_refusals = Counter("tokenfleet_router_hold_refusals", "Requests answered 503 instead of held for "
+                                     "a replica: the held-request limit (count) or the held-bytes limit (bytes).",
+                                     ["reason"], registry=reg)
+        for reason in ("count", "bytes"):
+            self.hold_refusals.labels(reason=reason)
+        for reason in ("backend-disconnected", "backend-error", "backend-stalled"):
             self.migrations.labels(reason=reason)
         for reason in ("limit", "no-backend", "not-migratable", "target-error"):
             self.migration_failures.labels(reason=reason)
@@ -96,6 +113,7 @@ class RouterMetrics:
         self.fleet = fleet
         self.tokenizer_loaded = tokenizer_loaded
         self.pending = lambda: 0
+        self.held_bytes = lambda: 0
         self.idle_s = lambda: 0.0
         reg.register(_FleetCollector(self))
 
@@ -156,6 +174,12 @@ class _FleetCollector:
             per["draining"].add_metric([b.name], 1.0 if b.endpoint.draining else 0.0)
         yield from per.values()
         yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())
+        yield GaugeMetricFamily("tokenfleet_router_held_request_bytes", "Body bytes of the requests held for a "
+                                "replica.", value=self.m.held_bytes())
+        yield GaugeMetricFamily("tokenfleet_router_sessions", "Session keys remembered.",
+                                value=len(fleet.sessions.entries))
+        yield CounterMetricFamily("tokenfleet_router_session_evictions", "Session keys forgotten for room, least "
+                                  "recently used first.", value=fleet.sessions.evicted)
         yield GaugeMetricFamily(rm.IDLE_SECONDS, "Seconds since the last request arrived.", value=self.m.idle_s())
         rate = fleet.generation_tokens_per_second()
         yield GaugeMetricFamily("tokenfleet_router_generation_tokens_per_second",

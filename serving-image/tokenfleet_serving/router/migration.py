@@ -4,7 +4,9 @@ The router asks every streamed request's backend for the output token ids of eac
 (``return_token_ids``, stripped again before the client sees them unless it asked too) and keeps, per stream,
 what the client has received: the token ids and the text. When the backend fails mid-stream (the connection
 is reset or closed before ``[DONE]``, or the backend ends the stream with a 502/503/504 error event: its
-engine died or stalled, or its drain timed out), the router sends the same request to another routable
+engine died or stalled, or its drain timed out), or the backend stalls (no byte of the stream and no answer
+to the router's polls for ``--stall-timeout`` seconds, 15 by default: a frozen process or node), the router
+sends the same request to another routable
 backend with ``continuation: {"output_token_ids": [...], "delivered_text": "..."}``. That backend
 (``engine/continuation.py``) takes those tokens as its own output, so ``max_tokens``, stop strings,
 penalties and ``usage`` count them, and streams what follows. The router relays it into the same client
@@ -46,6 +48,7 @@ MIGRATABLE_ERROR_CODES = frozenset({502, 503, 504})
 # why a stream was migrated (tokenfleet_router_migrations_total{reason})
 DISCONNECTED = "backend-disconnected"
 BACKEND_ERROR = "backend-error"
+STALLED = "backend-stalled"              # nothing from it, polls included, for the stall timeout (app.py)
 # why one could not be (tokenfleet_router_migration_failures_total{reason})
 LIMIT = "limit"
 NO_BACKEND = "no-backend"

@@ -11,7 +11,11 @@ Definitions (vLLM's and inference-perf's), measured where the client's request p
 A streamed request meets the SLO when its TTFT and its TPOT are within the targets (a target that is not set
 always holds). A non-streamed request has no observable first token: it meets the SLO when it finished by the
 time a stream within both targets would have, ``e2e <= ttft_target + tpot_target * (tokens - 1)``. A request
-that failed misses it.
+that failed through the fleet's fault (a 5xx, a 429 from a replica at capacity, a broken stream, no replica in
+time) misses it. A request refused for the client's own fault (any other 4xx: a malformed body, an unknown field
+or model, a bad key, a body over the limit), by the router or by a replica, counts neither way: it is counted
+apart (``tokenfleet_router_client_errors_total``), so bad requests cannot make the fleet look slow and scale
+it up.
 
 Output tokens come from the response's ``usage``. For a stream the router asks the backend for a final usage
 event (``stream_options.include_usage``) and drops that event again when the client did not ask for it.
@@ -94,7 +98,7 @@ class Timing:
     finished: float | None = None
     output_tokens: int = 0
     ok: bool = False
-    client_error: bool = False     # the backend refused the request as invalid (4xx)
+    client_error: bool = False     # refused for the client's fault (is_client_error): not observed
     held: bool = False             # it waited for a replica before its first token (a cold start)
 
     @property
@@ -110,6 +114,11 @@ class Timing:
         if self.first_token is None or self.finished is None or self.output_tokens < 2:
             return None
         return (self.finished - self.first_token) / (self.output_tokens - 1)
+
+
+def is_client_error(status: int) -> bool:
+    """A 4xx the client caused; 429 (a replica at capacity) is the fleet's."""
+    return 400 <= status < 500 and status != 429
 
 
 def meets_slo(slo: Slo, t: Timing) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -132,21 +133,41 @@ class BackendState:
         return max(polled, self.inflight)
 
 
-class SessionTable:
-    """Session key -> (backend, last use); entries idle for ttl seconds are forgotten."""
+MAX_SESSIONS = 50_000          # session keys remembered at once; the least recently used goes first
+MAX_SESSION_KEY_CHARS = 256    # longer session ids are refused (app.py: 400 naming the header)
+HASHED_KEY_OVER = 64           # longer keys are kept as a 32-character digest
 
-    def __init__(self, ttl_s: float):
+
+def session_key(value: str) -> str:
+    """The key a session id is remembered by: itself, or a digest of it when it is long."""
+    if len(value) <= HASHED_KEY_OVER:
+        return value
+    return "#" + hashlib.blake2b(value.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
+class SessionTable:
+    """Session key -> (backend, last use), bounded: entries idle for ttl seconds are forgotten, and past
+    ``max_entries`` the least recently used one is. Long keys are kept as digests (``session_key``), so
+    the table holds at most ``max_entries`` keys of at most ``HASHED_KEY_OVER`` characters."""
+
+    def __init__(self, ttl_s: float, max_entries: int = MAX_SESSIONS):
         self.ttl_s = ttl_s
+        self.max_entries = max_entries
         self.entries: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self.evicted = 0               # entries dropped for room (not for age)
 
     def pinned(self, key: str, now: float) -> str | None:
         self._expire(now)
-        entry = self.entries.get(key)
+        entry = self.entries.get(session_key(key))
         return entry[0] if entry else None
 
     def pin(self, key: str, backend: str, now: float) -> None:
+        key = session_key(key)
         self.entries[key] = (backend, now)
         self.entries.move_to_end(key)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+            self.evicted += 1
 
     def _expire(self, now: float) -> None:
         while self.entries:
@@ -159,13 +180,14 @@ class SessionTable:
 class Fleet:
     """All backends of the service, keyed by pod name."""
 
-    def __init__(self, config: RouterConfig, *, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: RouterConfig, *, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 max_sessions: int = MAX_SESSIONS):
         self.config = config
         self.interval_s = interval_s
         self.stale_after_s = max(3 * interval_s, 3.0)
         self.clock = clock
         self.backends: dict[str, BackendState] = {}
-        self.sessions = SessionTable(config.session_affinity.ttl_seconds)
+        self.sessions = SessionTable(config.session_affinity.ttl_seconds, max_sessions)
         self.endpoints_loaded = False
 
     # ---- endpoints -------------------------------------------------------------------------
@@ -214,6 +236,14 @@ class Fleet:
         b = self.backends.get(name)
         if b is not None:
             b.seen_at = self.clock()
+
+    def stalled(self, name: str, timeout_s: float) -> bool:
+        """No byte of any response from the backend and no good poll for ``timeout_s``: it is frozen (a stopped
+        process, a hung node) or cut off, though its connections stay open."""
+        b = self.backends.get(name)
+        if b is None or b.polled_at is None:
+            return False
+        return self.clock() - max(b.polled_at, b.seen_at or b.polled_at) > timeout_s
 
     def mark_failed(self, name: str, error: str) -> None:
         """A request could not reach the backend: stop routing to it until a poll succeeds again."""

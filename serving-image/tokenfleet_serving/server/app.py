@@ -248,8 +248,9 @@ class Server:
     async def _auth_middleware(self, request: web.Request, handler):
         key = self.config.api_key
         if key and request.path.startswith(GUARDED_PREFIXES):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as the bytes they were
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
                 raise P.ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
         return await handler(request)
 

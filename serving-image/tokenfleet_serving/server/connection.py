@@ -72,18 +72,32 @@ def raw_error_response(status: int, message: str) -> bytes:
 
 
 async def read_body(request: web.BaseRequest, *, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole request body, or an ApiError: 413 over ``max_bytes`` (declared or streamed), 408 when it
-    has not arrived within ``timeout_s``, 400 when it cannot be decoded (a bad ``Content-Encoding``, broken
-    chunked framing)."""
+    """The whole request body, decoded (``Content-Encoding`` gzip, deflate: aiohttp decodes as it parses), or an
+    ApiError: 413 as soon as more than ``max_bytes`` have arrived (declared by ``Content-Length``, or counted
+    as a chunked or compressed body arrives: the limit is on the decoded bytes), 408 when it has not arrived
+    within ``timeout_s``, 400 when it cannot be decoded (a bad ``Content-Encoding``, broken chunked framing).
+
+    The body is read here rather than with ``request.read()``, which keeps a second copy on the request for as
+    long as the request lives (a router holding requests for a replica would hold each body twice)."""
     length = request.content_length
     if length is not None and length > max_bytes:
         raise ApiError(413, f"request body exceeds {max_bytes} bytes")
     try:
-        return await asyncio.wait_for(request.read(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await _read_bounded(request, max_bytes)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s", close_connection=True) from None
     except web.RequestPayloadError as exc:
         raise ApiError(400, f"request body cannot be read: {exc}", close_connection=True) from None
+
+
+async def _read_bounded(request: web.BaseRequest, max_bytes: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ApiError(413, f"request body exceeds {max_bytes} bytes")
+    return bytes(body)
 
 
 async def send_and_close(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:

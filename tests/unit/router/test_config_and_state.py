@@ -15,7 +15,16 @@ from tokenfleet_serving.contract.router_files import (
     parse_endpoints,
     parse_router_config,
 )
-from tokenfleet_serving.router.state import CounterRate, EngineSample, Fleet, SessionTable, parse_engine_metrics
+from tokenfleet_serving.router.state import (
+    HASHED_KEY_OVER,
+    MAX_SESSION_KEY_CHARS,
+    CounterRate,
+    EngineSample,
+    Fleet,
+    SessionTable,
+    parse_engine_metrics,
+    session_key,
+)
 
 OPERATOR_CONFIG = {
     "service": "llama", "namespace": "ns", "models": ["llama-8b", "llama"],
@@ -242,6 +251,51 @@ def test_session_table_forgets_idle_sessions():
     t.pin("s", "a", now=5)
     assert t.pinned("s", now=14) == "a"
     assert t.pinned("s", now=15.1) is None
+
+
+def test_session_table_is_bounded_in_entries_and_key_length_evicting_the_least_recently_used():
+    """Issue 37, defect 5: 20,000 distinct long session ids kept 160 MB in the router. The table keeps at
+    most ``max_entries`` keys of at most HASHED_KEY_OVER characters, whatever the clients send."""
+    import tracemalloc
+
+    t = SessionTable(ttl_s=3600, max_entries=1000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(20_000):
+        t.pin(f"{i:06d}-" + "s" * MAX_SESSION_KEY_CHARS, "backend-a", now=i * 1e-3)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(t.entries) == 1000 and t.evicted == 19_000
+    assert max(len(k) for k in t.entries) <= HASHED_KEY_OVER
+    assert grown < 400_000, f"the table grew by {grown} bytes for 1,000 entries"
+    newest, oldest = f"{19_999:06d}-" + "s" * MAX_SESSION_KEY_CHARS, f"{0:06d}-" + "s" * MAX_SESSION_KEY_CHARS
+    assert t.pinned(newest, now=21) == "backend-a" and t.pinned(oldest, now=21) is None
+    # least recently *used*: re-pinning an old session keeps it over the ones pinned since
+    t = SessionTable(ttl_s=3600, max_entries=2)
+    t.pin("old", "a", now=0)
+    t.pin("mid", "b", now=1)
+    t.pin("old", "a", now=2)
+    t.pin("new", "c", now=3)
+    assert (t.pinned("old", 4), t.pinned("mid", 4), t.pinned("new", 4)) == ("a", None, "c")
+    # a short key is kept as it is; two long keys that differ only at the end stay apart
+    assert session_key("user-42") == "user-42"
+    assert session_key("x" * 200 + "1") != session_key("x" * 200 + "2")
+
+
+def test_a_backend_silent_past_the_stall_timeout_is_stalled_and_not_routable():
+    """Issue 37, defect 6: a frozen replica keeps its connections open and answers nothing. Stalled: no good
+    poll and no response byte for the timeout; a byte of any response, or a good poll, is a sign of life."""
+    f, clock = fleet_with(A, B)
+    f.record_poll("a", EngineSample(), frozenset(), 16)
+    f.record_poll("b", EngineSample(), frozenset(), 16)
+    clock.t += 2
+    f.note_alive("a")
+    clock.t += 2.5
+    assert not f.stalled("a", 4) and f.stalled("b", 4)
+    assert [b.name for b in f.routable()] == ["a"]       # b is stale: no new request goes there
+    f.record_poll("b", EngineSample(), frozenset(), 16)  # it answers again (SIGCONT)
+    assert not f.stalled("b", 4) and {b.name for b in f.routable()} == {"a", "b"}
+    assert not f.stalled("unknown", 4)
 
 
 def test_generation_rate_sums_fresh_backends_only():

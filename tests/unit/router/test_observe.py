@@ -8,6 +8,7 @@ from tokenfleet_serving.router.observe import (
     carries_output,
     completion_tokens,
     event_json,
+    is_client_error,
     is_usage_only,
     meets_slo,
 )
@@ -57,3 +58,10 @@ def test_slo_verdicts():
     assert meets_slo(slo, timing(None, 0.5 + 9 * 0.05, 10, stream=False))
     assert not meets_slo(slo, timing(None, 0.5 + 9 * 0.05 + 0.01, 10, stream=False))
     assert meets_slo(Slo(), timing(5.0, 50.0, 10))                  # no targets: every success meets it
+
+
+def test_client_errors_are_4xx_but_a_replica_at_capacity_is_the_fleets_fault():
+    """Issue 37, defect 3: requests refused for the client's fault stay out of the SLO signal; a 429 (a replica
+    at capacity), a 5xx and a timeout are the fleet's and count as misses."""
+    assert all(is_client_error(s) for s in (400, 401, 404, 408, 413, 415, 422, 431))
+    assert not any(is_client_error(s) for s in (200, 429, 500, 502, 503, 504))
