@@ -197,6 +197,24 @@ class EngineSpec(ApiModel):
         "and gptq are not implemented by the bundled serving image yet (NotInServingImage); another image may.",
     )
     speculative_decoding: SpeculativeDecoding | None = Field(default=None, description="Unset disables speculative decoding.")
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        description="Ranks that split every layer of the model (attention heads, MLP, vocabulary) between them "
+        "(tokenfleet serve --tensor-parallel-size); one rank per accelerator. tensorParallelSize * "
+        "pipelineParallelSize must equal accelerator.countPerHost * accelerator.hostsPerReplica, so that every "
+        "accelerator a replica holds (and is billed for) runs a rank. Unset: countPerHost * hostsPerReplica / "
+        "pipelineParallelSize. It must divide the model's attention heads and vocabulary, and divide or be a "
+        "multiple of its key/value heads; the operator checks the model before it starts the replicas (reason "
+        "ModelNotSplittable).",
+        ge=1, le=1024,
+    )
+    pipeline_parallel_size: int | None = Field(
+        default=None,
+        description="Stages the model's layers are split into, one after the other "
+        "(tokenfleet serve --pipeline-parallel-size). Unset: 1, or countPerHost * hostsPerReplica / "
+        "tensorParallelSize when only that is set. It must not exceed the model's layers.",
+        ge=1, le=1024,
+    )
     extra_args: list[Annotated[str, Field(max_length=256)]] | None = Field(
         default=None,
         description=(
@@ -429,6 +447,29 @@ class InferenceServiceSpec(ApiModel):
             "warmRestart saves to a file system: slicePolicy.checkpoint.store must be pvc://, hostpath:// or file:// "
             "(s3:// and gs:// are not supported for it)",
             field_path=".slicePolicy.checkpoint.store",
+        ),
+        rule(
+            "!has(self.engine.tensorParallelSize) || !has(self.engine.pipelineParallelSize) || "
+            "self.engine.tensorParallelSize * self.engine.pipelineParallelSize == "
+            "self.accelerator.countPerHost * self.accelerator.hostsPerReplica",
+            "engine.tensorParallelSize * engine.pipelineParallelSize must equal accelerator.countPerHost * "
+            "accelerator.hostsPerReplica: one rank per accelerator of a replica",
+            field_path=".engine.tensorParallelSize",
+        ),
+        rule(
+            "!has(self.engine.tensorParallelSize) || has(self.engine.pipelineParallelSize) || "
+            "(self.accelerator.countPerHost * self.accelerator.hostsPerReplica) % self.engine.tensorParallelSize == 0",
+            "engine.tensorParallelSize must divide accelerator.countPerHost * accelerator.hostsPerReplica (the "
+            "pipeline stages are the quotient)",
+            field_path=".engine.tensorParallelSize",
+        ),
+        rule(
+            "!has(self.engine.pipelineParallelSize) || has(self.engine.tensorParallelSize) || "
+            "(self.accelerator.countPerHost * self.accelerator.hostsPerReplica) % self.engine.pipelineParallelSize "
+            "== 0",
+            "engine.pipelineParallelSize must divide accelerator.countPerHost * accelerator.hostsPerReplica (the "
+            "tensor-parallel ranks are the quotient)",
+            field_path=".engine.pipelineParallelSize",
         ),
         rule(
             "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
