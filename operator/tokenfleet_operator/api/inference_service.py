@@ -537,6 +537,18 @@ class CapacityStatus(ApiModel):
     measured_at: str = Field(description="When that minute ended (RFC 3339).", json_schema_extra={"format": "date-time"})
 
 
+class ModelShapeStatus(ApiModel):
+    """The model dimensions a tensor/pipeline split depends on, read from the model's config.json by a short pod
+    before the first replica of a split model starts (only for the bundled serving image)."""
+
+    source: str = Field(description="Hash of the model source and image the shape was read from; a change reads "
+                                    "it again.", max_length=64)
+    layers: int = Field(description="Decoder layers (num_hidden_layers).", ge=0)
+    attention_heads: int = Field(description="Attention heads (num_attention_heads).", ge=0)
+    key_value_heads: int = Field(description="Key/value heads (num_key_value_heads).", ge=0)
+    vocab_size: int = Field(description="Vocabulary size.", ge=0)
+
+
 class CostStatus(ApiModel):
     """What the service costs: the price of its replicas over the tokens it delivered (accelerator $/h / tokens/h)."""
 
@@ -630,6 +642,8 @@ class InferenceServiceStatus(ApiModel):
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The built-in autoscaler's last decision.")
     cost: CostStatus | None = Field(default=None, description="Cost at the current size, and per token.")
     goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
+    model_shape: ModelShapeStatus | None = Field(default=None, description="The model's split dimensions, once "
+                                                 "read (replicas split over several ranks only).")
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
         default=None,

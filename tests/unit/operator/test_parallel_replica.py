@@ -163,3 +163,48 @@ def test_a_leader_template_must_place_like_the_member_template():
     problems = check_slice(SliceSpec.model_validate({**body["spec"], "leaderTemplate": no_image}))
     assert [(p.reason, p.field) for p in problems] == [("InvalidTemplate", "spec.leaderTemplate.spec.containers[0]")]
     assert check_slice(SliceSpec.model_validate({**body["spec"], "leaderTemplate": template})) == []
+
+
+def test_the_model_shape_pod_mounts_the_model_as_the_replicas_do_and_requests_no_accelerator():
+    from tokenfleet_operator.builders.model_shape import model_shape_pod, model_shape_pod_name, needs_model_shape
+
+    body, spec = spec_of(2, 2, topology="2x2", image="tokenfleet/serving:1")
+    assert needs_model_shape(spec)
+    pod = model_shape_pod(body, spec)
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == ["tokenfleet", "model-shape", "--model", "/models/llama-8b"]
+    assert container["volumeMounts"][0]["mountPath"] == "/models"
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "weights"
+    assert "nvidia.com/gpu" not in str(container["resources"])
+    assert pod["spec"]["nodeSelector"] == {"tokenfleet.dev/accelerator": "nvidia-h100-80gb"}
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["metadata"]["labels"]["tokenfleet.dev/role"] == "model-shape"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    # the same model source is read once; another one again
+    other = spec.model_copy(update={"model": spec.model.model_copy(update={"pvc": spec.model.pvc.model_copy(
+        update={"sub_path": "llama-70b"})})})
+    assert model_shape_pod_name("llama", spec) == pod["metadata"]["name"] != model_shape_pod_name("llama", other)
+    assert model_shape_pod_name("llama", spec) == model_shape_pod_name(
+        "llama", spec.model_copy(update={"replicas": 5}))
+    # nothing to check for one rank per replica, nor for an image without the command
+    assert not needs_model_shape(spec_of(1, 1, topology=None, image="tokenfleet/serving:1")[1])
+    assert not needs_model_shape(spec_of(2, 2, topology="2x2", image="example.com/other:1")[1])
+
+
+def test_the_model_shape_command_leaves_the_shape_for_the_operator(tmp_path, monkeypatch):
+    import json
+
+    from tokenfleet_serving.contract.model_shape import main, shape_in
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000}))
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("TOKENFLEET_TERMINATION_LOG", str(log))
+    assert main(["--model", str(tmp_path / "m")]) == 0
+    pod = {"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 0, "message": log.read_text()}}}]}}
+    assert shape_in(pod) == {"layers": 3, "attentionHeads": 8, "keyValueHeads": 4, "vocabSize": 1000}
+    assert main(["--model", str(tmp_path / "missing")]) == 2
+    assert "config.json" in log.read_text()
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = log.read_text()
+    assert shape_in(pod) is None
