@@ -3,7 +3,8 @@
 A replica holds countPerHost accelerators on each of hostsPerReplica hosts and runs one rank per accelerator:
 world size = countPerHost * hostsPerReplica = tensorParallelSize * pipelineParallelSize. Unset sizes are derived
 so that every accelerator runs a rank. ``ModelShape`` is what a split needs to know of the model, and
-``split_errors`` says which size the model cannot be split by (the rules of the bundled engine's layers).
+``split_errors`` says which size the model cannot be split by (the rules of the bundled engine's layers: the
+vocabulary is padded to equal shards, so any size splits it).
 """
 from __future__ import annotations
 
@@ -71,20 +72,14 @@ class ModelShape:
     layers: int
     attention_heads: int
     kv_heads: int
-    vocab_size: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
-        heads = int(config["num_attention_heads"])
-        return cls(layers=int(config["num_hidden_layers"]), attention_heads=heads,
-                   kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]))
+    intermediate_size: int
 
 
 def split_errors(sizes: ParallelSizes, shape: ModelShape) -> list[tuple[str, str]]:
-    """(field, message) for every way the model cannot be split by ``sizes``: attention heads and the
-    vocabulary must divide evenly among the tensor-parallel ranks, key/value heads too unless there are fewer
-    of them than ranks and they can be replicated (tp a multiple of them), and every pipeline stage needs a
-    layer."""
+    """(field, message) for every way the model cannot be split by ``sizes``: attention heads and the MLP's
+    intermediate size must divide evenly among the tensor-parallel ranks, key/value heads too unless there are
+    fewer of them than ranks and they can be replicated (tp a multiple of them), and every pipeline stage
+    needs a layer."""
     tp, pp = sizes.tensor, sizes.pipeline
     out = []
     if shape.attention_heads % tp:
@@ -94,9 +89,10 @@ def split_errors(sizes: ParallelSizes, shape: ModelShape) -> list[tuple[str, str
         out.append(("spec.engine.tensorParallelSize",
                     f"tensorParallelSize {tp} neither divides the model's {shape.kv_heads} key/value heads nor is a "
                     "multiple of them (which would replicate them)"))
-    if shape.vocab_size % tp:
+    if shape.intermediate_size % tp:
         out.append(("spec.engine.tensorParallelSize",
-                    f"tensorParallelSize {tp} does not divide the model's vocabulary of {shape.vocab_size} tokens"))
+                    f"tensorParallelSize {tp} does not divide the model's MLP intermediate size "
+                    f"{shape.intermediate_size}"))
     if shape.layers < pp:
         out.append(("spec.engine.pipelineParallelSize",
                     f"pipelineParallelSize {pp} exceeds the model's {shape.layers} layers: a stage would hold none"))

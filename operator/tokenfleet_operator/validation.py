@@ -177,13 +177,25 @@ def _host_path_problem(path: str | None, field: str, policy: OperatorPolicy) -> 
         "administrator allows host paths with the operator's --allow-host-path PREFIX; otherwise use a PVC")]
 
 
+# The bundled server builds tensor parallelism only: it exits 2 on --pipeline-parallel-size above 1
+# (engine/distributed.py, ParallelConfig.check); a test holds the two together.
+PIPELINE_PARALLEL_IN_SERVING_IMAGE = False
+
+
 def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = None) -> list[Problem]:
-    """Sizes that do not run one rank per accelerator of a replica (ParallelSizeMismatch), and, once the
-    model's shape is known, sizes the model cannot be split by (ModelNotSplittable)."""
+    """Sizes that do not run one rank per accelerator of a replica (ParallelSizeMismatch), pipeline stages the
+    bundled server does not build (NotInServingImage), and, once the model's shape is known, sizes the model
+    cannot be split by (ModelNotSplittable)."""
     try:
         sizes = parallel_sizes(spec)
     except SizeError as e:
         return [Problem("ParallelSizeMismatch", e.field, str(e))]
+    if sizes.pipeline > 1 and runs_bundled_server(spec.image) and not PIPELINE_PARALLEL_IN_SERVING_IMAGE:
+        return [Problem(
+            "NotInServingImage", "spec.engine.pipelineParallelSize",
+            f"the bundled serving image {spec.image} does not implement pipeline parallelism yet; leave "
+            f"pipelineParallelSize unset (or 1): the replica's {sizes.world} accelerators then run "
+            f"tensorParallelSize {sizes.world}, or set spec.image to a server that implements it")]
     if shape is None:
         return []
     return [Problem("ModelNotSplittable", field, message) for field, message in split_errors(sizes, shape)]

@@ -203,8 +203,8 @@ class EngineSpec(ApiModel):
         "(tokenfleet serve --tensor-parallel-size); one rank per accelerator. tensorParallelSize * "
         "pipelineParallelSize must equal accelerator.countPerHost * accelerator.hostsPerReplica, so that every "
         "accelerator a replica holds (and is billed for) runs a rank. Unset: countPerHost * hostsPerReplica / "
-        "pipelineParallelSize. It must divide the model's attention heads and vocabulary, and divide or be a "
-        "multiple of its key/value heads; the operator checks the model before it starts the replicas (reason "
+        "pipelineParallelSize. It must divide the model's attention heads and MLP intermediate size, and divide "
+        "or be a multiple of its key/value heads; the operator checks the model before it starts the replicas (reason "
         "ModelNotSplittable).",
         ge=1, le=1024,
     )
@@ -212,7 +212,9 @@ class EngineSpec(ApiModel):
         default=None,
         description="Stages the model's layers are split into, one after the other "
         "(tokenfleet serve --pipeline-parallel-size). Unset: 1, or countPerHost * hostsPerReplica / "
-        "tensorParallelSize when only that is set. It must not exceed the model's layers.",
+        "tensorParallelSize when only that is set. It must not exceed the model's layers. The bundled serving "
+        "image does not implement pipeline parallelism yet: above 1 with it, the service is Ready=False with "
+        "reason NotInServingImage (another image may implement it).",
         ge=1, le=1024,
     )
     extra_args: list[Annotated[str, Field(max_length=256)]] | None = Field(
@@ -546,7 +548,7 @@ class ModelShapeStatus(ApiModel):
     layers: int = Field(description="Decoder layers (num_hidden_layers).", ge=0)
     attention_heads: int = Field(description="Attention heads (num_attention_heads).", ge=0)
     key_value_heads: int = Field(description="Key/value heads (num_key_value_heads).", ge=0)
-    vocab_size: int = Field(description="Vocabulary size.", ge=0)
+    intermediate_size: int = Field(description="Width of the MLP (intermediate_size).", ge=0)
 
 
 class CostStatus(ApiModel):

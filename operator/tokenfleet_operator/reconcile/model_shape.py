@@ -81,4 +81,4 @@ def model_shape_step(ctx: Context, owner: dict[str, Any], spec: InferenceService
 
 def _shape(entry: dict[str, Any]) -> ModelShape:
     return ModelShape(layers=entry["layers"], attention_heads=entry["attentionHeads"],
-                      kv_heads=entry["keyValueHeads"], vocab_size=entry["vocabSize"])
+                      kv_heads=entry["keyValueHeads"], intermediate_size=entry["intermediateSize"])

@@ -3,7 +3,7 @@ tensor- and pipeline-parallel split depends on.
 
 The operator cannot read the model (it is on the replicas' volume), so it runs ``tokenfleet model-shape --model
 DIR`` once in a short pod that mounts the model as the replicas will. The command reads ``config.json`` (no
-weights, no torch) and leaves ``{"layers": L, "attentionHeads": H, "keyValueHeads": K, "vocabSize": V}`` as its
+weights, no torch) and leaves ``{"layers": L, "attentionHeads": H, "keyValueHeads": K, "intermediateSize": I}`` as its
 termination message, which the operator reads from the pod object (``shape_in``). A model it cannot read exits
 2 with the reason there instead.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenfleet_serving.contract.termination import CONFIGURATION_EXIT_CODE, ArgumentParser, write_termination_message
 
-KEYS = ("layers", "attentionHeads", "keyValueHeads", "vocabSize")
+KEYS = ("layers", "attentionHeads", "keyValueHeads", "intermediateSize")
 
 
 def shape_of(model_dir: str | Path) -> dict[str, int]:
@@ -30,7 +30,7 @@ def shape_of(model_dir: str | Path) -> dict[str, int]:
         heads = int(config["num_attention_heads"])
         return {"layers": int(config["num_hidden_layers"]), "attentionHeads": heads,
                 "keyValueHeads": int(config.get("num_key_value_heads") or heads),
-                "vocabSize": int(config["vocab_size"])}
+                "intermediateSize": int(config["intermediate_size"])}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} has no usable {e}") from None
 

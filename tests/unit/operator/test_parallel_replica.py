@@ -48,7 +48,7 @@ def test_sizes_that_do_not_use_the_accelerators_exactly_name_the_field(tp, pp, f
     assert "4 accelerators" in problem.message
 
 
-SHAPE = ModelShape(layers=4, attention_heads=8, kv_heads=2, vocab_size=1024)
+SHAPE = ModelShape(layers=4, attention_heads=8, kv_heads=2, intermediate_size=1024)
 
 
 @pytest.mark.parametrize("shape, tp, pp, fields", [
@@ -57,7 +57,7 @@ SHAPE = ModelShape(layers=4, attention_heads=8, kv_heads=2, vocab_size=1024)
     (SHAPE, 8, 1, []),
     (ModelShape(4, 6, 6, 1024), 4, 1, ["tensorParallelSize", "tensorParallelSize"]),   # heads and KV heads
     (ModelShape(4, 8, 3, 1024), 2, 1, ["tensorParallelSize"]),                        # 3 KV heads: no way
-    (ModelShape(4, 8, 8, 1001), 2, 1, ["tensorParallelSize"]),                        # vocabulary
+    (ModelShape(4, 8, 8, 1001), 2, 1, ["tensorParallelSize"]),                        # MLP width
     (ModelShape(2, 8, 8, 1024), 1, 4, ["pipelineParallelSize"]),                      # a stage without layers
 ])
 def test_a_model_that_cannot_be_split_names_the_field(shape, tp, pp, fields):
@@ -67,11 +67,7 @@ def test_a_model_that_cannot_be_split_names_the_field(shape, tp, pp, fields):
         assert str(tp if "tensor" in message else pp) in message
 
 
-def test_the_model_shape_is_read_from_a_hugging_face_config():
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
-    assert ModelShape.from_config(config) == ModelShape(2, 4, 2, 512)
-    del config["num_key_value_heads"]                      # no GQA: as many KV heads as heads
-    assert ModelShape.from_config(config).kv_heads == 4
+def test_a_model_the_sizes_cannot_split_is_a_problem_naming_the_field():
     _, spec = spec_of(2, 2)
     [problem] = parallel_problems(spec, ModelShape(2, 6, 2, 512))
     assert (problem.reason, problem.field) == ("ModelNotSplittable", "spec.engine.tensorParallelSize")
@@ -198,13 +194,25 @@ def test_the_model_shape_command_leaves_the_shape_for_the_operator(tmp_path, mon
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000}))
+        {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 96}))
     log = tmp_path / "termination-log"
     monkeypatch.setenv("TOKENFLEET_TERMINATION_LOG", str(log))
     assert main(["--model", str(tmp_path / "m")]) == 0
     pod = {"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 0, "message": log.read_text()}}}]}}
-    assert shape_in(pod) == {"layers": 3, "attentionHeads": 8, "keyValueHeads": 4, "vocabSize": 1000}
+    assert shape_in(pod) == {"layers": 3, "attentionHeads": 8, "keyValueHeads": 4, "intermediateSize": 96}
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["num_key_value_heads"]                       # no GQA: as many key/value heads as heads
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert main(["--model", str(tmp_path / "m")]) == 0 and json.loads(log.read_text())["keyValueHeads"] == 8
     assert main(["--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in log.read_text()
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = log.read_text()
     assert shape_in(pod) is None
+
+
+def test_pipeline_stages_are_refused_for_the_bundled_image_until_it_builds_them():
+    _, spec = spec_of(2, 2, tp=2, pp=2, image="tokenfleet/serving:1")
+    [problem] = parallel_problems(spec)
+    assert (problem.reason, problem.field) == ("NotInServingImage", "spec.engine.pipelineParallelSize")
+    _, other = spec_of(2, 2, tp=2, pp=2, image="example.com/other:1")
+    assert parallel_problems(other) == []
