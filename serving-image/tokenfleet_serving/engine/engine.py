@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from . import continuation as cont_
-from .batch import SeqChunk, build_batch
+from .batch import SeqChunk, StepBatch, build_batch
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
 from .loader import load_checkpoint, load_config
-from .model import LlamaModel
+from .model_runner import ModelRunner
 from .quantization import parse_quantization
 from .request import Request, RequestOutput, TokenLogprob
 from .sampler import sample
@@ -97,20 +97,20 @@ class LLMEngine:
         self.startup_marks = {"weights_loaded": time.monotonic()}      # server/startup.py reports them
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
         self.max_model_len = min(config.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
-        self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len,
+        self.runner = ModelRunner(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len,
                                 use_kernels=config.cpu_kernels, quantization=self.quantization)
         del ckpt
         if config.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {config.block_size}")
-        num_blocks = config.kv_cache_bytes // self.model.kv_block_bytes(config.block_size)
+        num_blocks = config.kv_cache_bytes // self.runner.kv_block_bytes(config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block "
-                             f"({self.model.kv_block_bytes(config.block_size)} bytes)")
-        self.kv_cache_bytes = self.model.allocate_kv_cache(num_blocks, config.block_size)
+                             f"({self.runner.kv_block_bytes(config.block_size)} bytes)")
+        self.kv_cache_bytes = self.runner.allocate_kv_cache(num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.kv)
-        self.speculator = (Speculator(config.speculative, self.model, config.model, num_blocks, config.block_size,
+        self.speculator = (Speculator(config.speculative, self.runner, config.model, num_blocks, config.block_size,
                                       self.max_model_len, config.cpu_kernels) if config.speculative else None)
         eos = set(self.model_config.eos_token_ids)
         eos_id = self.tokenizer.token_id(self.tokenizer.eos_token) if self.tokenizer is not None else None
@@ -175,49 +175,63 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> run -> sample -> update; returns the outputs of the requests it moved."""
         with self.lock:
             started = time.perf_counter()
-            outputs = [self._output(r) for r in self.aborted]
-            self.aborted.clear()
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
-            scheduled = self.scheduler.schedule()
+            outputs = self._take_aborted()
+            scheduled = self._schedule()
             if not scheduled:
                 return outputs
-            chunks, owners = [], []
-            for r, n in scheduled:
-                start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
-                if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
-                    for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
-                        chunks.append(SeqChunk([token], start + i, table, True))
-                        owners.append(r)
-                    continue
-                chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
-                owners.append(r)
-            batch = build_batch(chunks, self.kv.block_size, self.device, self.model.compiled_prefill)
-            forward_started = time.perf_counter()
-            logits = self.model.forward(batch)
-            forward_seconds = time.perf_counter() - forward_started
-            rows = [owners[i] for i in batch.sample_order]          # one per logits row
-            for req, n in scheduled:
-                req.num_computed_tokens += n
-            speculated = [r for r, _ in scheduled if r.spec_token_ids]
-            plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
-            to_sample = [rows[i] for i in plain]
-            if to_sample:
-                sampled = self._sample_isolated(logits[plain] if speculated else logits, to_sample)
-                for req, token, lp in sampled:
-                    self._append_isolated(req, token, lp)
-            if speculated:
-                assert self.speculator is not None
-                for req in speculated:
-                    self._verify_isolated(req, logits[[i for i, r in enumerate(rows) if r is req]])
-                to_sample = to_sample + speculated
-            for req in to_sample:
-                outputs.append(self._output(req))
-            if self.speculator is not None:
-                self.speculator.step_done(bool(speculated), time.perf_counter() - started, forward_seconds)
-            return outputs
+            batch, rows = self._prepare(scheduled)
+            logits = self.runner.forward(batch)
+            return outputs + self._sample_and_update(scheduled, rows, logits, started)
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self.aborted]
+        self.aborted.clear()
+        return outputs
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepBatch, list[Request]]:
+        """The step's batch, and the request of each logits row."""
+        chunks, owners = [], []
+        for r, n in scheduled:
+            start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
+            if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
+                for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
+                    chunks.append(SeqChunk([token], start + i, table, True))
+                    owners.append(r)
+                continue
+            chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
+            owners.append(r)
+        batch = build_batch(chunks, self.kv.block_size, self.device, self.runner.compiled_prefill)
+        return batch, [owners[i] for i in batch.sample_order]
+
+    def _sample_and_update(self, scheduled: list[tuple[Request, int]], rows: list[Request], logits: torch.Tensor,
+                           started: float) -> list[RequestOutput]:
+        """Sample (or verify drafts) from the step's logits and append the tokens; the moved requests' outputs."""
+        forward_seconds = self.runner.last_forward_seconds
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        speculated = [r for r, _ in scheduled if r.spec_token_ids]
+        plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
+        to_sample = [rows[i] for i in plain]
+        if to_sample:
+            sampled = self._sample_isolated(logits[plain] if speculated else logits, to_sample)
+            for req, token, lp in sampled:
+                self._append_isolated(req, token, lp)
+        if speculated:
+            assert self.speculator is not None
+            for req in speculated:
+                self._verify_isolated(req, logits[[i for i, r in enumerate(rows) if r is req]])
+            to_sample = to_sample + speculated
+        if self.speculator is not None:
+            self.speculator.step_done(bool(speculated), time.perf_counter() - started, forward_seconds)
+        return [self._output(req) for req in to_sample]
 
     # ---- per-request failure isolation -----------------------------------
     # An exception raised while sampling or appending one request's token fails
