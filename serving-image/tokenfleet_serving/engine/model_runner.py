@@ -18,6 +18,7 @@ import torch
 from . import cpu_kernels
 from .batch import StepBatch
 from .config import ModelConfig
+from .distributed import ProcessGroup
 from .layers.linear import Linear, WeightFormat
 from .layers.parallel import SingleRank
 from .model import LlamaForCausalLM, kv_heads_per_rank
@@ -34,6 +35,7 @@ class ModelRunner:
             raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
         self.config, self.dtype, self.device, self.quantization = config, dtype, device, quantization
         self.group = group or SingleRank()
+        self.peers: ProcessGroup | None = group if isinstance(group, ProcessGroup) and group.size > 1 else None
         # compiled C kernels (GEMM, attention over the pool, one-pass norm/SwiGLU/RoPE/KV write), fp32 CPU
         # only; None: PyTorch
         on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
@@ -101,6 +103,8 @@ class ModelRunner:
     def forward(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
         """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
         started = time.perf_counter()
+        if self.peers is not None:
+            self.peers.broadcast(("forward", batch, all_logits))
         logits = self.run(batch, all_logits)
         self.last_forward_seconds = time.perf_counter() - started
         self.forward_seconds += self.last_forward_seconds
@@ -123,3 +127,31 @@ class ModelRunner:
         if not all_logits and not trim:
             x = x[batch.logits_rows]
         return self.model.logits(x)
+
+    # ---- the other ranks -------------------------------------------------
+    def keepalive(self) -> None:
+        """Rank 0, idle: tell the other ranks it is alive once a quarter of the collective timeout has gone by
+        without a message (their wait for the next batch is bounded by that timeout)."""
+        if self.peers is not None and time.monotonic() - self.peers.last_message > self.peers.config.timeout_s / 4:
+            self.peers.broadcast(("keepalive",))
+
+    def stop_followers(self) -> None:
+        """Rank 0: release the other ranks (they return from ``follow``)."""
+        if self.peers is not None and self.peers.broken is None:
+            self.peers.broadcast(("stop",))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run every forward pass rank 0 sends, until it says stop (or a collective fails:
+        RankFailure)."""
+        assert self.peers is not None, "only a rank of a group follows"
+        while True:
+            message = self.peers.broadcast()
+            if message[0] == "stop":
+                return
+            if message[0] == "forward":
+                _, batch, all_logits = message
+                started = time.perf_counter()
+                self.run(batch, all_logits)
+                self.forward_seconds += time.perf_counter() - started
+                self.steps += 1
