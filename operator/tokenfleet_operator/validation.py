@@ -190,6 +190,12 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
         sizes = parallel_sizes(spec)
     except SizeError as e:
         return [Problem("ParallelSizeMismatch", e.field, str(e))]
+    if sizes.world > 1 and spec.warm_restart.enabled and runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.warmRestart.enabled",
+            f"the bundled serving image {spec.image} does not implement warm restart for a replica split over "
+            f"{sizes.world} ranks yet (each rank holds part of every KV block); disable warmRestart, or run one "
+            "accelerator per replica")]
     if sizes.pipeline > 1 and runs_bundled_server(spec.image) and not PIPELINE_PARALLEL_IN_SERVING_IMAGE:
         return [Problem(
             "NotInServingImage", "spec.engine.pipelineParallelSize",

@@ -216,3 +216,19 @@ def test_pipeline_stages_are_refused_for_the_bundled_image_until_it_builds_them(
     assert (problem.reason, problem.field) == ("NotInServingImage", "spec.engine.pipelineParallelSize")
     _, other = spec_of(2, 2, tp=2, pp=2, image="example.com/other:1")
     assert parallel_problems(other) == []
+
+
+def test_what_the_bundled_server_refuses_at_tp_above_1_is_refused_before_any_pod_starts(tmp_path):
+    from tokenfleet_serving.engine.distributed import ParallelConfig, ParallelConfigError
+    from tokenfleet_serving.server.main import build_parser, config_from_args
+
+    with pytest.raises(ParallelConfigError, match="pipeline"):       # the server: exits 2 on it
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).check()
+    args = build_parser().parse_args(["--model", str(tmp_path), "--tensor-parallel-size", "2",
+                                      "--prefix-checkpoint-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="warm restart"):
+        config_from_args(args)
+    _, spec = spec_of(2, 2, image="tokenfleet/serving:1", warmRestart={"enabled": True},
+                      slicePolicy={"checkpoint": {"store": "pvc://c/x"}})
+    [problem] = parallel_problems(spec)
+    assert (problem.reason, problem.field) == ("NotInServingImage", "spec.warmRestart.enabled")
