@@ -47,6 +47,7 @@ from tokenfleet_operator.controller.collector import ready_serving_pods
 from tokenfleet_operator.controller.errors import InvalidSpec
 from tokenfleet_operator.controller.manager import Context
 from tokenfleet_operator.inference_service_status import (
+    WAITING_REASONS,
     Measured,
     Scaling,
     compute_status,
@@ -86,6 +87,11 @@ def write_status(ctx: Context, body: dict[str, Any], status: dict[str, Any]) -> 
     if status == old:
         return
     ctx.apply_status(body, status)
+    before, after = cond.find(old.get("conditions"), "Ready"), cond.find(status["conditions"], "Ready")
+    if (before and after and before.get("status") == after.get("status") == "False"
+            and before.get("reason") in WAITING_REASONS and after.get("reason") not in WAITING_REASONS):
+        # still not ready, but no longer for a wait the operator sees through: a problem for a person
+        ctx.event(body, "Warning", after["reason"], after.get("message", ""))
     for t in cond.transitions(old.get("conditions"), status["conditions"]):
         if t.type == "Ready":
             kind = "Normal" if t.new_status == "True" else "Warning"

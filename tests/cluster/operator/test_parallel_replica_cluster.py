@@ -73,8 +73,16 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def server_pid(pod_ip: str) -> int | None:
-    from tokenfleet_dev.bench.recovery import server_pid as find
-    return find(pod_ip)
+    """The `tokenfleet serve` process of a pod: the runner rewrote its --host 0.0.0.0 to the pod's IP (a
+    member's argv also holds the leader's IP, as --master-addr)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "serve" in argv and "--host" in argv and argv[argv.index("--host") + 1] == pod_ip:
+            return int(entry.name)
+    return None
 
 
 def process_tree(root: int) -> list[int]:
@@ -88,6 +96,29 @@ def process_tree(root: int) -> list[int]:
         out.append(pid)
         todo += children.get(pid, [])
     return out
+
+
+def cpu_group(pid: int) -> str:
+    """The process's group in the cpu controller (cgroup v1 ``cpu``/``cpu,cpuacct``, or v2's unified one)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(",") or controllers == "":
+            return path
+    return "/"
+
+
+def quota_cores(group: str) -> float | None:
+    """The CFS quota of a group in cores (None: no quota, or no such group here)."""
+    v1 = [Path(f"/sys/fs/cgroup/{d}{group}") for d in ("cpu", "cpu,cpuacct")]
+    for folder in v1:
+        if (folder / "cpu.cfs_quota_us").exists():
+            quota = int((folder / "cpu.cfs_quota_us").read_text())
+            return None if quota < 0 else quota / int((folder / "cpu.cfs_period_us").read_text())
+    v2 = Path(f"/sys/fs/cgroup{group}/cpu.max")
+    if v2.exists():
+        quota, period = v2.read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    return None
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -126,11 +157,18 @@ def test_a_two_host_replica_is_ready_serves_through_the_router_and_every_member_
     member = server_pid(members[f"{NAME}-0-1"]["status"]["podIP"])
     assert leader and member
     trees = {"leader": process_tree(leader), "member": process_tree(member)}
-    assert len(trees["member"]) >= 2, trees      # the member runs its host's ranks (one process each)
+    assert len(trees["member"]) >= 3 and len(trees["leader"]) >= 2, trees   # a process per rank (and the member's)
+    for tree in trees.values():
+        # every rank of a pod runs in the pod's group: together they get the pod's CPU limit, one core
+        assert len({cpu_group(pid) for pid in tree}) == 1, tree
+        group = cpu_group(tree[0])
+        if group != "/":                       # "/": this host lets the runner enforce no CPU limit
+            assert quota_cores(group) == 1.0, group
     before = {k: cpu_seconds(v) for k, v in trees.items()}
     for i in range(6):
         complete(url, f"question {i}: " + "tell me a long story " * 10, max_tokens=48)
     used = {k: cpu_seconds(v) - before[k] for k, v in trees.items()}
+    print("CPU seconds under load:", used)
     assert used["leader"] > 0.5, used
     assert used["member"] >= 0.3 * used["leader"], used      # the headless member does its share of every step
 
