@@ -234,3 +234,28 @@ def test_sizes_the_replica_or_the_model_cannot_take_are_refused_naming_the_field
                     json.dumps({"spec": {"accelerator": {"countPerHost": 2, "hostsPerReplica": 1}}}))
     wait_for("the fixed service's Slice", lambda: names(cluster, "slices", namespace) == ["three-0"] or None,
              120, operator)
+
+
+def test_a_member_that_cannot_reach_the_leader_says_so_in_the_slice_condition(cluster, namespace, operator, pod_model):
+    """A user-made two-host Slice whose leader never opens the rendezvous port: the member resolves the leader
+    through the Slice's headless Service, gives up within its bound, and its last words (rank and address)
+    reach the Slice's conditions."""
+    serve = ["tokenfleet", "serve", "--model", str(pod_model), "--host", "0.0.0.0", "--port", "8000",
+             "--num-threads", "1", "--kv-cache-mb", "16"]
+    member = [*serve, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "$(TOKENFLEET_MEMBER_INDEX)",
+              "--headless", "--master-addr", "$(TOKENFLEET_LEADER_ADDRESS)", "--master-port", "29999",
+              "--distributed-timeout-seconds", "5"]
+
+    def template(command):
+        return {"spec": {"containers": [{"name": "main", "image": SERVING_IMAGE, "command": command}]}}
+
+    gang = {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice", "metadata": {"name": "lonely"},
+            "spec": {"accelerator": {"type": "cpu"}, "hosts": 2, "restartPolicy": {"maxRestarts": 0},
+                     "leaderTemplate": template(serve), "template": template(member)}}
+    apply(cluster, gang, namespace)
+    failed = wait_for("the Slice Failed", lambda: (lambda s: s if s and s.get("status", {}).get("phase") == "Failed"
+                                                   else None)(get_json(cluster, "slice", "lonely", "-n", namespace)),
+                      240, operator)
+    message = condition(failed, "Failed")["message"]
+    assert "rank 1 of 2 could not join" in message and ":29999" in message, message
+    assert get_json(cluster, "service", "lonely", "-n", namespace)["spec"]["clusterIP"] == "None"
