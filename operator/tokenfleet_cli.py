@@ -23,6 +23,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
                     "run the operator: reconcile InferenceServices and Slices, gang-schedule Slices"),
     ("serve",): ("tokenfleet_serving.server.main", "main", "serve a model over the OpenAI-compatible API"),
     ("batch",): ("tokenfleet_serving.batch.main", "main", "one member of a checkpointed batch-inference gang (role: batch Slices)"),
+    ("model-shape",): ("tokenfleet_serving.contract.model_shape", "main",
+                       "print the dimensions a tensor/pipeline split depends on (the operator's check before a replica)"),
     ("route",): ("tokenfleet_serving.router.main", "main", "cache- and load-aware router in front of serving replicas"),
     ("bench", "engine"): ("tokenfleet_serving.bench.engine", "main", "engine throughput and prefix-cache benchmark"),
     ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),

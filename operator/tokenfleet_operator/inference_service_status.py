@@ -180,7 +180,8 @@ def invalid_status(owner: dict[str, Any], problem: Problem, old_status: dict[str
         cond.Desired("Degraded", "False", problem.reason, "not reconciled until the spec is fixed"),
         *progress_conditions(ready, settled=False, stalled=None if waiting else ready),
     ]
-    kept = ("replicas", "readyReplicas", "updatedReplicas", "selector", "url", "slices", "cost", "goodput")
+    kept = ("replicas", "readyReplicas", "updatedReplicas", "selector", "url", "slices", "cost", "goodput",
+            "modelShape")
     status = {k: v for k, v in old_status.items() if k in kept}
     status["observedGeneration"] = generation
     status["conditions"] = cond.merge(old_status.get("conditions"), desired, now=cond.now_rfc3339(), generation=generation)
@@ -193,7 +194,7 @@ def invalid_status(owner: dict[str, Any], problem: Problem, old_status: dict[str
 # is semantically invalid). Both are always present, False when they do not apply.
 
 # Problems the operator waits out by itself (their fix is an event it watches): Reconciling, not Stalled.
-WAITING_REASONS = frozenset({"ModelSourceNotFound"})
+WAITING_REASONS = frozenset({"ModelSourceNotFound", "ReadingModel"})
 
 
 def _was_serving(old_status: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ REVISION_LABEL = f"{GROUP}/revision"
 ATTEMPT_LABEL = f"{GROUP}/attempt"
 REPLICA_LABEL = f"{GROUP}/replica"
 ACCELERATOR_NODE_LABEL = f"{GROUP}/accelerator"
+COMPONENT_LABEL = "app.kubernetes.io/component"
 
 SERVING_PORT = 8000
 ROUTER_PORT = 8080
@@ -54,6 +55,16 @@ def slice_index(service: str, name: str) -> int | None:
 
 def member_pod_name(slice_: str, member: int) -> str:
     return f"{slice_}-{member}"
+
+
+def rendezvous_service_name(slice_: str) -> str:
+    """Headless Service of a multi-host Slice, the subdomain of its member pods (as LeaderWorkerSet names it)."""
+    return slice_
+
+
+def member_address(slice_: str, member: int, namespace: str) -> str:
+    """The DNS name of a member pod of a multi-host Slice: hostname.subdomain.namespace.svc."""
+    return f"{member_pod_name(slice_, member)}.{rendezvous_service_name(slice_)}.{namespace}.svc"
 
 
 def router_name(service: str) -> str:

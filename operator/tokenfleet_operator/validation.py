@@ -17,6 +17,7 @@ from tokenfleet_operator.api.common import ContainerResources
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.parallelism import ModelShape, SizeError, parallel_sizes, split_errors
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
 
@@ -93,6 +94,13 @@ OPERATOR_SERVE_FLAGS = {
     "prefix_checkpoint_name": ("--prefix-checkpoint-name", "spec.warmRestart"),
     "prefix_checkpoint_interval": ("--prefix-checkpoint-interval", "spec.slicePolicy.checkpoint.intervalSeconds"),
     "prefix_checkpoint_max_mb": ("--prefix-checkpoint-max-mb", "spec.warmRestart.maxMegabytes"),
+    "tensor_parallel_size": ("--tensor-parallel-size", "spec.engine.tensorParallelSize"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", "spec.engine.pipelineParallelSize"),
+    "nnodes": ("--nnodes", "spec.accelerator.hostsPerReplica"),
+    "node_rank": ("--node-rank", "the operator (each member's index in its Slice)"),
+    "master_addr": ("--master-addr", "the operator (the leader's name in its Slice's headless Service)"),
+    "master_port": ("--master-port", "the operator"),
+    "headless": ("--headless", "the operator (every member but the leader)"),
 }
 
 
@@ -180,11 +188,44 @@ def model_source_problems(spec: InferenceServiceSpec, policy: OperatorPolicy) ->
             for problem in _host_path_problem(source.host_path.path, f"{field}.hostPath.path", policy)]
 
 
-def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS) -> list[Problem]:
+# The bundled server builds tensor parallelism only: it exits 2 on --pipeline-parallel-size above 1
+# (engine/distributed.py, ParallelConfig.check); a test holds the two together.
+PIPELINE_PARALLEL_IN_SERVING_IMAGE = False
+
+
+def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = None) -> list[Problem]:
+    """Sizes that do not run one rank per accelerator of a replica (ParallelSizeMismatch), pipeline stages the
+    bundled server does not build (NotInServingImage), and, once the model's shape is known, sizes the model
+    cannot be split by (ModelNotSplittable)."""
+    try:
+        sizes = parallel_sizes(spec)
+    except SizeError as e:
+        return [Problem("ParallelSizeMismatch", e.field, str(e))]
+    if sizes.world > 1 and spec.warm_restart.enabled and runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.warmRestart.enabled",
+            f"the bundled serving image {spec.image} does not implement warm restart for a replica split over "
+            f"{sizes.world} ranks yet (each rank holds part of every KV block); disable warmRestart, or run one "
+            "accelerator per replica")]
+    if sizes.pipeline > 1 and runs_bundled_server(spec.image) and not PIPELINE_PARALLEL_IN_SERVING_IMAGE:
+        return [Problem(
+            "NotInServingImage", "spec.engine.pipelineParallelSize",
+            f"the bundled serving image {spec.image} does not implement pipeline parallelism yet; leave "
+            f"pipelineParallelSize unset (or 1): the replica's {sizes.world} accelerators then run "
+            f"tensorParallelSize {sizes.world}, or set spec.image to a server that implements it")]
+    if shape is None:
+        return []
+    return [Problem("ModelNotSplittable", field, message) for field, message in split_errors(sizes, shape)]
+
+
+def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS,
+                            shape: ModelShape | None = None) -> list[Problem]:
+    """``shape``: the model's dimensions, once known (``reconcile/model_shape.py``)."""
     acc = spec.accelerator
     problems = _topology_problem(
         acc.topology, acc.hosts_per_replica, acc.count_per_host, "spec.accelerator.topology", "hostsPerReplica"
     )
+    problems += parallel_problems(spec, shape)
     if acc.type == "cpu" and acc.count_per_host != 1:
         problems.append(
             Problem("CpuAcceleratorCount", "spec.accelerator.countPerHost", "type cpu requests no accelerator; set countPerHost to 1")
@@ -270,10 +311,37 @@ def _scheduling_problems(spec: SliceSpec) -> list[Problem]:
     return problems
 
 
+def _leader_template_problems(spec: SliceSpec) -> list[Problem]:
+    """A leaderTemplate is checked as the template is, and must hold as many accelerators: the gang
+    scheduler places every member alike."""
+    leader = spec.leader_template
+    if leader is None:
+        return []
+    as_leader = spec.model_copy(update={"template": leader, "leader_template": None})
+    problems = [Problem(p.reason, p.field.replace("spec.template.", "spec.leaderTemplate.", 1), p.message)
+                for p in _template_problems(leader.spec) + _scheduling_problems(as_leader)]
+    if not problems:
+        from tokenfleet_operator.gang.snapshot import member_accelerators
+        leader_count, member_count = member_accelerators(as_leader), member_accelerators(spec)
+        if leader_count != member_count:
+            problems.append(Problem(
+                "LeaderTemplateMismatch", "spec.leaderTemplate.spec.containers",
+                f"the leader would hold {leader_count} {spec.accelerator.resource_name} and every other member "
+                f"{member_count}; the gang scheduler places equal members, so request the same in both templates"))
+        for key in ("nodeSelector", "tolerations", "affinity"):
+            if leader.spec.get(key) != spec.template.spec.get(key):
+                problems.append(Problem(
+                    "LeaderTemplateMismatch", f"spec.leaderTemplate.spec.{key}",
+                    f"differs from spec.template.spec.{key}; the gang scheduler places every member by the "
+                    "template, so set the same in both"))
+    return problems
+
+
 def check_slice(spec: SliceSpec, policy: OperatorPolicy = DENY_HOST_PATHS) -> list[Problem]:
     problems = _topology_problem(spec.topology, spec.hosts, spec.accelerator.count_per_host, "spec.topology", "hosts")
     problems += _template_problems(spec.template.spec)
     problems += _scheduling_problems(spec)
+    problems += _leader_template_problems(spec)
     problems += _host_path_problem(_store_host_path(spec.checkpoint.store if spec.checkpoint else None),
                                    "spec.checkpoint.store", policy)
     return problems

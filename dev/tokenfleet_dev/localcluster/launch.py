@@ -5,7 +5,9 @@ container's command as a process on this machine. This module turns a pod
 (a plain dict as the API server returns it) into the processes to start:
 argv with ``$(VAR)`` expansion as the kubelet does it, the environment
 (literal values and the downward API), host paths for volume mounts, and the
-readiness probe to poll.
+readiness probe to poll. Pod DNS names (hostname.subdomain.namespace.svc) in
+env values and arguments become the pod IPs cluster DNS would answer: the
+local plane has no DNS server.
 """
 from __future__ import annotations
 
@@ -171,6 +173,39 @@ def _map_paths(value: str, pairs: list[tuple[str, str]]) -> str:
     return value
 
 
+# hostname.subdomain.namespace.svc[.cluster.local]: a pod's DNS name in a headless Service (spec.hostname and
+# spec.subdomain), as cluster DNS answers it.
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+POD_DNS_NAME = re.compile(rf"^(?P<host>{_LABEL})\.(?P<subdomain>{_LABEL})\.(?P<namespace>{_LABEL})\.svc(?:\.cluster\.local)?$")
+
+
+def _split_value(value: str) -> tuple[str, str, str]:
+    """(``--flag=`` prefix or "", host, ``:port`` suffix or "") of a value that may name a host."""
+    head, sep, target = value.rpartition("=")
+    prefix = head + sep if sep else ""
+    host, colon, port = target.rpartition(":")
+    if colon and port.isdigit():
+        return prefix, host, colon + port
+    return prefix, target, ""
+
+
+def pod_dns_names(pod: dict) -> set[str]:
+    """The pod DNS names (``POD_DNS_NAME``) the pod's containers name in their env values, command or args,
+    whole or as ``--flag=NAME`` / ``NAME:PORT``."""
+    values = []
+    for c in pod.get("spec", {}).get("containers", []):
+        values += [e.get("value") or "" for e in c.get("env", [])]
+        values += list(c.get("command") or []) + list(c.get("args") or [])
+    return {host for v in values if POD_DNS_NAME.match(host := _split_value(v)[1])}
+
+
+def resolve_pod_name(value: str, addresses: dict[str, str]) -> str:
+    """The local runner has no cluster DNS: a value that names a pod by its DNS name (``NAME``,
+    ``NAME:PORT``, ``--flag=NAME[:PORT]``) gets the address that DNS would answer, from ``addresses``."""
+    prefix, host, port = _split_value(value)
+    return f"{prefix}{addresses[host]}{port}" if host in addresses else value
+
+
 WILDCARDS = ("0.0.0.0", "::", "[::]")
 
 
@@ -189,11 +224,13 @@ def bind_to_pod_ip(value: str, pod_ip: str) -> str:
 
 
 def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str, str], scratch: str,
-                       image_prefix: str, lookup=None) -> list[ContainerLaunch]:
+                       image_prefix: str, lookup=None, addresses: dict[str, str] | None = None) -> list[ContainerLaunch]:
     """The processes the runner starts for ``pod``: one per container of our image.
 
-    ``lookup(kind, namespace, name, key)`` resolves configMapKeyRef/secretKeyRef.
+    ``lookup(kind, namespace, name, key)`` resolves configMapKeyRef/secretKeyRef; ``addresses`` maps the pod
+    DNS names the pod names (``pod_dns_names``) to the pod IPs cluster DNS would answer.
     """
+    addresses = addresses or {}
     ns = pod.get("metadata", {}).get("namespace", "default")
     out = []
     for c in pod.get("spec", {}).get("containers", []):
@@ -205,7 +242,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
         for e in c.get("env", []):
             name = e["name"]
             if "value" in e:
-                env[name] = _map_paths(expand(e["value"], env), pairs)
+                env[name] = resolve_pod_name(_map_paths(expand(e["value"], env), pairs), addresses)
             elif "valueFrom" in e:
                 src = e["valueFrom"]
                 if "fieldRef" in src:
@@ -224,7 +261,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
             else:
                 env[name] = ""
         argv = [expand(a, env) for a in (c.get("command") or ["tokenfleet"]) + (c.get("args") or [])]
-        argv = [bind_to_pod_ip(_map_paths(a, pairs), pod_ip) for a in argv]
+        argv = [resolve_pod_name(bind_to_pod_ip(_map_paths(a, pairs), pod_ip), addresses) for a in argv]
         if argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]

@@ -3,7 +3,10 @@
 For every pod that is bound to a node and whose image is tokenfleet's serving
 image, it runs the container's command as a local process bound to a
 loopback pod IP (``launch.py`` decides what to run), reports Running, and
-reports Ready only once the readiness probe passes. Only pods on KWOK's fake
+reports Ready only once the readiness probe passes. It stands in for cluster
+DNS too: a pod whose env or arguments name another pod by its headless-Service
+name (hostname.subdomain.namespace.svc) gets that pod's IP in their place,
+and waits (up to RESOLVE_WAIT_SECONDS) until such a record would exist. Only pods on KWOK's fake
 nodes are its own: a real node's kubelet runs the pods bound to it. When the pod is deleted
 it sends SIGTERM, waits up to the grace period, then SIGKILL, and finally
 removes the pod object (the kubelet's last step). Pods of any other image are
@@ -36,10 +39,14 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from .cpu_limits import CpuLimiter
-from .launch import ContainerLaunch, FileVolume, LaunchError, Probe, container_launches
+from .launch import POD_DNS_NAME, ContainerLaunch, FileVolume, LaunchError, Probe, container_launches, pod_dns_names
 from .nodes import KWOK_ANNOTATION
 
 log = logging.getLogger("pod-runner")
+
+# A pod that names another pod by its DNS name waits this long for the name to resolve before it starts
+# anyway (and fails to resolve it, as it would against cluster DNS).
+RESOLVE_WAIT_SECONDS = 60.0
 
 
 def now() -> str:
@@ -143,6 +150,7 @@ class PodRunner:
         self.stopping = threading.Event()
         self._next_volume_refresh = 0.0
         self._fake_node: dict[str, bool] = {}
+        self._unresolved: dict[str, tuple[object, float]] = {}   # uid -> (pod, when it first waited for a name)
         # What the kubelet gives every container to find the API server.
         url = urllib.parse.urlsplit(api.api_client.configuration.host)
         self.service_env = {"KUBERNETES_SERVICE_HOST": url.hostname, "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
@@ -199,6 +207,7 @@ class PodRunner:
         uid = pod.metadata.uid
         local = self.pods.get(uid)
         if pod.metadata.deletion_timestamp is not None:
+            self._unresolved.pop(uid, None)
             if local and not local.terminating:
                 local.terminating = True
                 grace = pod.metadata.deletion_grace_period_seconds
@@ -208,7 +217,54 @@ class PodRunner:
                 self._finalize_delete(pod.metadata.namespace, pod.metadata.name, uid)
             return
         if local is None and pod.status.phase in ("Pending", None, "Running"):
+            if uid in self._unresolved:
+                self._unresolved[uid] = (pod, self._unresolved[uid][1])
+                return
             self.start(pod)
+
+    # ------------------------------------------------------------ pod DNS
+    def _pod_address(self, host: str, subdomain: str, namespace: str, own_uid: str, own_ip: str) -> str | None:
+        """What cluster DNS answers for host.subdomain.namespace.svc: the IP of the pod with that hostname and
+        subdomain, when a headless Service named like the subdomain selects it (and it is ready, unless the
+        Service publishes pods that are not); None while there is no such record."""
+        try:
+            service = self.api.read_namespaced_service(subdomain, namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        if service.spec.cluster_ip != "None" or not service.spec.selector:
+            return None
+        selector = ",".join(f"{k}={v}" for k, v in sorted(service.spec.selector.items()))
+        for pod in self.api.list_namespaced_pod(namespace, label_selector=selector).items:
+            if pod.spec.hostname != host or pod.spec.subdomain != subdomain or pod.metadata.deletion_timestamp:
+                continue
+            if pod.metadata.uid == own_uid:
+                return own_ip
+            local = self.pods.get(pod.metadata.uid)
+            ready = local is not None and bool(local.reported and local.reported[1])
+            if not service.spec.publish_not_ready_addresses and not ready:
+                return None
+            return local.ip if local is not None else (pod.status.pod_ip if pod.status else None)
+        return None
+
+    def _addresses(self, raw: dict, uid: str, ip: str) -> tuple[dict[str, str], list[str]]:
+        """(pod DNS name -> IP, the names that do not resolve yet) for the names the pod's containers use."""
+        found, missing = {}, []
+        for name in sorted(pod_dns_names(raw)):
+            m = POD_DNS_NAME.match(name)
+            assert m is not None
+            address = self._pod_address(m["host"], m["subdomain"], m["namespace"], uid, ip)
+            if address:
+                found[name] = address
+            else:
+                missing.append(name)
+        return found, missing
+
+    def retry_unresolved(self) -> None:
+        for uid, (pod, _) in list(self._unresolved.items()):
+            if uid not in self.pods:
+                self.start(pod)
 
     # ----------------------------------------------------------------- start
     def _lookup(self, kind: str, ns: str, name: str, key: str) -> str | None:
@@ -298,6 +354,15 @@ class PodRunner:
         raw = self.api.api_client.sanitize_for_serialization(pod)
         ports = tuple(int(p.container_port) for c in pod.spec.containers for p in (c.ports or []) if p.container_port)
         ip = self.ips.take(ports)
+        addresses, missing = self._addresses(raw, pod.metadata.uid, ip)
+        waiting_since = self._unresolved.get(pod.metadata.uid, (None, time.monotonic()))[1]
+        if missing and time.monotonic() - waiting_since < RESOLVE_WAIT_SECONDS:
+            self.ips.give(ip)                       # not started: wait for the names to resolve
+            self._unresolved[pod.metadata.uid] = (pod, waiting_since)
+            return
+        if self._unresolved.pop(pod.metadata.uid, None) and missing:
+            log.warning("%s/%s starts with names no DNS record answers yet: %s", pod.metadata.namespace,
+                        pod.metadata.name, ", ".join(missing))
         host_ip = "127.0.0.1"
         node = pod.spec.node_name
         try:
@@ -313,7 +378,7 @@ class PodRunner:
         self.pods[local.uid] = local
         try:
             launches = container_launches(raw, ip, host_ip, {**os.environ, **self.service_env}, str(scratch),
-                                          self.image_prefix, lookup=self._lookup)
+                                          self.image_prefix, lookup=self._lookup, addresses=addresses)
         except LaunchError as e:
             log.error("%s/%s cannot run locally: %s", local.namespace, local.name, e)
             self._patch(local, {"phase": "Failed", "reason": "LocalRunnerError", "message": str(e)})
@@ -382,6 +447,8 @@ class PodRunner:
 
     def tick(self) -> None:
         t = time.monotonic()
+        if self._unresolved:
+            self.retry_unresolved()
         if t >= self._next_volume_refresh:
             self._next_volume_refresh = t + 2.0
             for local in list(self.pods.values()):

@@ -137,6 +137,26 @@ class EngineSpec(ApiModel):
         "and gptq are not implemented by the bundled serving image yet (NotInServingImage); another image may.",
     )
     speculative_decoding: SpeculativeDecoding | None = Field(default=None, description="Unset disables speculative decoding.")
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        description="Ranks that split every layer of the model (attention heads, MLP, vocabulary) between them "
+        "(tokenfleet serve --tensor-parallel-size); one rank per accelerator. tensorParallelSize * "
+        "pipelineParallelSize must equal accelerator.countPerHost * accelerator.hostsPerReplica, so that every "
+        "accelerator a replica holds (and is billed for) runs a rank. Unset: countPerHost * hostsPerReplica / "
+        "pipelineParallelSize. It must divide the model's attention heads and MLP intermediate size, and divide "
+        "or be a multiple of its key/value heads; the operator checks the model before it starts the replicas (reason "
+        "ModelNotSplittable).",
+        ge=1, le=1024,
+    )
+    pipeline_parallel_size: int | None = Field(
+        default=None,
+        description="Stages the model's layers are split into, one after the other "
+        "(tokenfleet serve --pipeline-parallel-size). Unset: 1, or countPerHost * hostsPerReplica / "
+        "tensorParallelSize when only that is set. It must not exceed the model's layers. The bundled serving "
+        "image does not implement pipeline parallelism yet: above 1 with it, the service is Ready=False with "
+        "reason NotInServingImage (another image may implement it).",
+        ge=1, le=1024,
+    )
     extra_args: list[Annotated[str, Field(max_length=256)]] | None = Field(
         default=None,
         description=(
@@ -377,6 +397,29 @@ class InferenceServiceSpec(ApiModel):
             field_path=".slicePolicy.checkpoint.store",
         ),
         rule(
+            "!has(self.engine.tensorParallelSize) || !has(self.engine.pipelineParallelSize) || "
+            "self.engine.tensorParallelSize * self.engine.pipelineParallelSize == "
+            "self.accelerator.countPerHost * self.accelerator.hostsPerReplica",
+            "engine.tensorParallelSize * engine.pipelineParallelSize must equal accelerator.countPerHost * "
+            "accelerator.hostsPerReplica: one rank per accelerator of a replica",
+            field_path=".engine.tensorParallelSize",
+        ),
+        rule(
+            "!has(self.engine.tensorParallelSize) || has(self.engine.pipelineParallelSize) || "
+            "(self.accelerator.countPerHost * self.accelerator.hostsPerReplica) % self.engine.tensorParallelSize == 0",
+            "engine.tensorParallelSize must divide accelerator.countPerHost * accelerator.hostsPerReplica (the "
+            "pipeline stages are the quotient)",
+            field_path=".engine.tensorParallelSize",
+        ),
+        rule(
+            "!has(self.engine.pipelineParallelSize) || has(self.engine.tensorParallelSize) || "
+            "(self.accelerator.countPerHost * self.accelerator.hostsPerReplica) % self.engine.pipelineParallelSize "
+            "== 0",
+            "engine.pipelineParallelSize must divide accelerator.countPerHost * accelerator.hostsPerReplica (the "
+            "tensor-parallel ranks are the quotient)",
+            field_path=".engine.pipelineParallelSize",
+        ),
+        rule(
             "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
             "warmRestart restores the prefix cache: engine.enablePrefixCaching must be true",
             field_path=".engine.enablePrefixCaching",
@@ -440,6 +483,18 @@ class CapacityStatus(ApiModel):
         "service runs at that load.", ge=0,
     )
     measured_at: str = Field(description="When that minute ended (RFC 3339).", json_schema_extra={"format": "date-time"})
+
+
+class ModelShapeStatus(ApiModel):
+    """The model dimensions a tensor/pipeline split depends on, read from the model's config.json by a short pod
+    before the first replica of a split model starts (only for the bundled serving image)."""
+
+    source: str = Field(description="Hash of the model source and image the shape was read from; a change reads "
+                                    "it again.", max_length=64)
+    layers: int = Field(description="Decoder layers (num_hidden_layers).", ge=0)
+    attention_heads: int = Field(description="Attention heads (num_attention_heads).", ge=0)
+    key_value_heads: int = Field(description="Key/value heads (num_key_value_heads).", ge=0)
+    intermediate_size: int = Field(description="Width of the MLP (intermediate_size).", ge=0)
 
 
 class CostStatus(ApiModel):
@@ -535,6 +590,8 @@ class InferenceServiceStatus(ApiModel):
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The built-in autoscaler's last decision.")
     cost: CostStatus | None = Field(default=None, description="Cost at the current size, and per token.")
     goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
+    model_shape: ModelShapeStatus | None = Field(default=None, description="The model's split dimensions, once "
+                                                 "read (replicas split over several ranks only).")
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
         default=None,

@@ -1,5 +1,7 @@
 """Slice: a gang of member pods (one per host) that is placed, run and
-restarted as one unit, like a multi-host TPU slice.
+restarted as one unit, like a multi-host TPU slice. A Slice of several hosts
+gets a headless Service of its own name, so its members find each other (the
+leader at SLICE-0.SLICE.NAMESPACE.svc), as in LeaderWorkerSet.
 """
 from __future__ import annotations
 
@@ -161,6 +163,18 @@ class SliceSpec(ApiModel):
             "a Slice with an accelerator is placed by the gang scheduler: its template must not set schedulerName",
             field_path=".template.spec.schedulerName",
         ),
+        rule(
+            "self.accelerator.type == 'cpu' || !has(self.leaderTemplate) || !has(self.leaderTemplate.spec.nodeName)",
+            "a Slice with an accelerator is placed by the gang scheduler: its leaderTemplate must not set nodeName",
+            field_path=".leaderTemplate.spec.nodeName",
+        ),
+        rule(
+            "self.accelerator.type == 'cpu' || !has(self.leaderTemplate) || "
+            "!has(self.leaderTemplate.spec.schedulerName)",
+            "a Slice with an accelerator is placed by the gang scheduler: its leaderTemplate must not set "
+            "schedulerName",
+            field_path=".leaderTemplate.spec.schedulerName",
+        ),
     )
 
     accelerator: AcceleratorBase = Field(description="The accelerator each member (host) carries.")
@@ -187,7 +201,13 @@ class SliceSpec(ApiModel):
     role: Literal["serve", "batch"] = Field(
         default="serve", description="serve for long-running inference replicas, batch for jobs that resume from checkpoints."
     )
-    template: MemberTemplate = Field(description="Template of the member pods.")
+    template: MemberTemplate = Field(description="Template of the member pods (of every member but the leader when "
+                                                 "leaderTemplate is set).")
+    leader_template: MemberTemplate | None = Field(
+        default=None,
+        description="Template of the leader (member 0), as in LeaderWorkerSet; unset uses template. It must hold "
+                    "as many accelerators as template (the gang scheduler places equal members).",
+    )
     checkpoint: CheckpointSpec | None = Field(default=None, description="Checkpoint settings; unset means the gang restarts cold.")
     restart_policy: RestartPolicy = Field(
         default_factory=RestartPolicy,

@@ -2,6 +2,12 @@
 ConfigMap, the router Service and a headless Service over the replicas'
 leader pods.
 
+A replica is one model split over all accelerators of its Slice
+(``parallelism.py``): one rank per accelerator, countPerHost ranks in each
+member pod. With several hosts the leader (member 0) runs the API and rank 0;
+the other members run ``tokenfleet serve --headless`` (only /health and
+/metrics) and join the leader at its address in the Slice's headless Service.
+
 The router ConfigMap has two keys: ``router.json`` (how to route; part of the
 router Deployment's config hash, so a change rolls the router) and
 ``endpoints.json`` (the serving pods, from ``endpoints_config``; left out of
@@ -29,6 +35,7 @@ from tokenfleet_operator.builders.auth import (
     replicas_network_policy,
 )
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
+from tokenfleet_operator.builders.slice_pods import RENDEZVOUS_PORT
 from tokenfleet_operator.naming import (
     LEADER_LABEL,
     MANAGED_BY,
@@ -46,6 +53,8 @@ from tokenfleet_operator.naming import (
     router_name,
     slice_name,
 )
+from tokenfleet_operator.parallelism import ParallelSizes, SizeError, parallel_sizes
+from tokenfleet_serving.contract.pod_env import PodEnv
 from tokenfleet_serving.contract.router_files import (
     Endpoint,
     RouterConfig,
@@ -120,8 +129,34 @@ def draft_model_storage(spec: InferenceServiceSpec) -> tuple[list[dict], list[di
     return volumes, [mount], DRAFT_MODEL_MOUNT
 
 
-def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
-    """Command line of the serving container: 'tokenfleet serve' plus the engine flags."""
+def replica_sizes(spec: InferenceServiceSpec) -> ParallelSizes:
+    """The replica's parallel sizes; a spec whose sizes do not fit its accelerators (refused by the schema and
+    by validation before anything is built) falls back to one rank per host."""
+    try:
+        return parallel_sizes(spec)
+    except SizeError:
+        hosts = spec.accelerator.hosts_per_replica
+        return ParallelSizes(hosts, 1, hosts)
+
+
+def parallel_args(sizes: ParallelSizes, member: int) -> list[str]:
+    """The flags that make member ``member`` (0 = the leader) one host of the replica's ranks; none for a
+    replica of one rank. Every member but the leader is headless and takes its host index from its Slice."""
+    if sizes.world == 1:
+        return []
+    args = ["--tensor-parallel-size", str(sizes.tensor), "--pipeline-parallel-size", str(sizes.pipeline)]
+    if sizes.hosts > 1:
+        rank = "0" if member == 0 else f"$({PodEnv.MEMBER_INDEX.value})"
+        args += ["--nnodes", str(sizes.hosts), "--node-rank", rank,
+                 "--master-addr", f"$({PodEnv.LEADER_ADDRESS.value})", "--master-port", str(RENDEZVOUS_PORT)]
+        if member != 0:
+            args.append("--headless")
+    return args
+
+
+def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> list[str]:
+    """Command line of the serving container: 'tokenfleet serve' plus the engine flags; ``member`` 0 is the
+    leader (the only member of a one-host replica), any other value stands for a headless member."""
     eng = spec.engine
     args = ["tokenfleet", "serve", "--model", model_dir, "--host", "0.0.0.0", "--port", str(SERVING_PORT)]
     for name in spec.model.served_model_names:
@@ -147,6 +182,7 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
     if per_replica > 0:
         args += ["--price-per-hour", f"{per_replica:g}"]
     args += warm_restart_args(spec)
+    args += parallel_args(replica_sizes(spec), member)
     args += list(eng.extra_args or [])
     return args
 
@@ -171,17 +207,20 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, A
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
 
 
-def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str) -> dict[str, Any]:
+def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str,
+                      member: int = 0) -> dict[str, Any]:
+    """The engine container of the leader (``member`` 0) or of a headless member (any other value), which
+    serves no API and is ready while its ranks are joined (/health)."""
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": engine_args(spec, model_dir),
+        "command": engine_args(spec, model_dir, member),
         "ports": [{"name": "http", "containerPort": SERVING_PORT, "protocol": "TCP"}],
         # Loading weights can take many minutes: the startup probe allows 30 of them.
         "startupProbe": _http_probe("/health", "http", 5, 360),
         "livenessProbe": _http_probe("/health", "http", 10, 3),
-        "readinessProbe": _http_probe("/ready", "http", 5, 3),
+        "readinessProbe": _http_probe("/ready" if member == 0 else "/health", "http", 5, 3),
         "env": [replica_key_env(service)],       # the router's key, from the service's Secret
     }
     resources = spec.resources.to_wire()
@@ -197,18 +236,23 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
     volumes, mounts, model_dir = model_storage(spec)
     draft_volumes, draft_mounts, _ = draft_model_storage(spec)
     volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
-    pod_spec: dict[str, Any] = {
-        "containers": [serving_container(spec, model_dir, mounts, service)],
-        "terminationGracePeriodSeconds": 30,
-        "enableServiceLinks": False,
-    }
-    if volumes:
-        pod_spec["volumes"] = volumes
-    harden_pod_spec(pod_spec)
     template_meta: dict[str, Any] = {"labels": common_labels(service)}
     if key_annotations(wiring):
         template_meta["annotations"] = key_annotations(wiring)
+
+    def template(member: int) -> dict[str, Any]:
+        pod_spec: dict[str, Any] = {
+            "containers": [serving_container(spec, model_dir, mounts, service, member)],
+            "terminationGracePeriodSeconds": 30,
+            "enableServiceLinks": False,
+        }
+        if volumes:
+            pod_spec["volumes"] = volumes
+        harden_pod_spec(pod_spec)
+        return {"metadata": template_meta, "spec": pod_spec}
+
     policy = spec.slice_policy
+    multi_host = spec.accelerator.hosts_per_replica > 1
     out: dict[str, Any] = {
         "accelerator": {
             "type": spec.accelerator.type,
@@ -220,9 +264,11 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
         "priority": policy.priority,
         "queue": policy.queue,
         "role": "serve",
-        "template": {"metadata": template_meta, "spec": pod_spec},
+        "template": template(1 if multi_host else 0),      # with several hosts: the headless members
         "restartPolicy": policy.restart_policy.to_wire(),
     }
+    if multi_host:
+        out["leaderTemplate"] = template(0)
     if spec.accelerator.topology:
         out["topology"] = spec.accelerator.topology
     if policy.checkpoint is not None:

@@ -6,6 +6,13 @@ request and the TOKENFLEET_* environment. Pods never restart in place
 (restartPolicy Never): a member that fails fails the gang, and the Slice
 controller restarts all members together.
 
+A Slice of several hosts gets a headless Service named like the Slice that
+selects its members and publishes them before they are ready; each member pod
+has hostname SLICE-i and subdomain SLICE, so every member resolves the leader
+at SLICE-0.SLICE.NAMESPACE.svc (TOKENFLEET_LEADER_ADDRESS) while the gang
+forms, as in LeaderWorkerSet. The leader (member 0) is made from
+leaderTemplate when the Slice has one.
+
 A checkpoint store on a volume (pvc:// or hostpath://) is mounted into the
 main container at CHECKPOINT_MOUNT; TOKENFLEET_CHECKPOINT_DIR names the
 directory the members share there (for file:// stores, the path itself).
@@ -20,6 +27,7 @@ from tokenfleet_operator.builders.security import keep_last_words
 from tokenfleet_operator.naming import (
     ACCELERATOR_NODE_LABEL,
     ATTEMPT_LABEL,
+    COMPONENT_LABEL,
     LEADER_LABEL,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -28,7 +36,9 @@ from tokenfleet_operator.naming import (
     ROLE_LABEL,
     SLICE_LABEL,
     child_metadata,
+    member_address,
     member_pod_name,
+    rendezvous_service_name,
 )
 from tokenfleet_serving.contract.pod_env import PodEnv
 
@@ -51,8 +61,33 @@ def checkpoint_volume(store: str) -> tuple[dict[str, Any] | None, str | None]:
     return None, None
 
 
-def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, restore_from: str | None,
-               revision: str) -> list[dict[str, str]]:
+RENDEZVOUS_PORT = 29500       # where the leader of a multi-host workload listens for its members (torch's default)
+
+
+def rendezvous_service(owner: dict[str, Any], spec: SliceSpec) -> dict[str, Any] | None:
+    """The headless Service that gives the members of a multi-host Slice their DNS names (None for one host).
+    It publishes members that are not ready yet: the members resolve the leader to form the gang, and only a
+    formed gang gets ready."""
+    if spec.hosts < 2:
+        return None
+    name = owner["metadata"]["name"]
+    labels = {MANAGED_BY_LABEL: MANAGED_BY, SLICE_LABEL: name, COMPONENT_LABEL: "rendezvous"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, rendezvous_service_name(name), labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {SLICE_LABEL: name},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def member_env(slice_name: str, namespace: str, spec: SliceSpec, member: int, attempt: int,
+               restore_from: str | None, revision: str) -> list[dict[str, str]]:
     """The ``contract.pod_env`` environment of one member."""
     values: dict[PodEnv, str] = {
         PodEnv.SLICE: slice_name,
@@ -62,6 +97,8 @@ def member_env(slice_name: str, spec: SliceSpec, member: int, attempt: int, rest
         PodEnv.ATTEMPT: str(attempt),
         PodEnv.REVISION: revision,
     }
+    if spec.hosts > 1:
+        values[PodEnv.LEADER_ADDRESS] = member_address(slice_name, 0, namespace)
     if spec.topology:
         values[PodEnv.TOPOLOGY] = spec.topology
     if spec.checkpoint is not None:
@@ -121,7 +158,8 @@ def member_pod(
     scheduler binds all members at once through the Binding API); with neither,
     the default scheduler places it, preferring one topology domain."""
     name = owner["metadata"]["name"]
-    template_meta = spec.template.metadata
+    template = spec.leader_template if member == 0 and spec.leader_template is not None else spec.template
+    template_meta = template.metadata
     labels = dict(template_meta.labels or {}) if template_meta else {}
     labels.update({
         MANAGED_BY_LABEL: MANAGED_BY,
@@ -133,13 +171,17 @@ def member_pod(
         LEADER_LABEL: "true" if member == 0 else "false",
     })
     annotations = dict(template_meta.annotations or {}) if template_meta and template_meta.annotations else {}
-    pod_spec = copy.deepcopy(spec.template.spec)
+    pod_spec = copy.deepcopy(template.spec)
     pod_spec["restartPolicy"] = "Never"
+    if spec.hosts > 1:
+        pod_spec["hostname"] = member_pod_name(name, member)
+        pod_spec["subdomain"] = rendezvous_service_name(name)
     keep_last_words(pod_spec)
     containers = pod_spec["containers"]
     main = containers[0]
     with_accelerator(main, spec)
-    main["env"] = list(main.get("env", [])) + member_env(name, spec, member, attempt, restore_from, revision)
+    main["env"] = list(main.get("env", [])) + member_env(name, owner["metadata"]["namespace"], spec, member, attempt,
+                                                          restore_from, revision)
     volume = checkpoint_volume(spec.checkpoint.store)[0] if spec.checkpoint is not None else None
     if volume is not None:
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), volume]

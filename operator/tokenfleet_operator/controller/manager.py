@@ -62,7 +62,7 @@ WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
     ("Pod", "v1", "pods", f"{MANAGED_BY_LABEL}={MANAGED_BY}"),     # Slice members and router pods
     ("Deployment", "apps/v1", "deployments", SERVICE_LABEL),
     ("ConfigMap", "v1", "configmaps", SERVICE_LABEL),
-    ("Service", "v1", "services", SERVICE_LABEL),
+    ("Service", "v1", "services", f"{MANAGED_BY_LABEL}={MANAGED_BY}"),   # a service's and a Slice's
     ("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies", SERVICE_LABEL),
     ("Node", "v1", "nodes", None),
     ("PersistentVolumeClaim", "v1", "persistentvolumeclaims", None),
@@ -83,7 +83,7 @@ CACHE_INDEXES = {
     "Pod": (SLICE_LABEL, SERVICE_LABEL),
     "Deployment": (SERVICE_LABEL,),
     "ConfigMap": (SERVICE_LABEL,),
-    "Service": (SERVICE_LABEL,),
+    "Service": (SERVICE_LABEL, SLICE_LABEL),
     "NetworkPolicy": (SERVICE_LABEL,),
 }
 

@@ -8,7 +8,8 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
 - a member pod (label ``tokenfleet.dev/slice``): its Slice, and the gang pass; a serving pod of a service:
   that service (its router's endpoints);
 - a router Deployment, ConfigMap, Service or NetworkPolicy of a service (label ``tokenfleet.dev/inference-service``): that
-  service (a child changed or was deleted by someone else: apply it again);
+  service (a child changed or was deleted by someone else: apply it again); the headless Service of a Slice
+  (label ``tokenfleet.dev/slice``): that Slice;
 - a Node or a SliceQueue: the gang pass (capacity or quota changed);
 - a PersistentVolumeClaim: the services that load a model from it (found by the caller, who has the
   cache: ``pvc_claims``).
@@ -63,6 +64,8 @@ def triggers(kind: str, obj: dict[str, Any]) -> list[Key]:
     elif kind in ("Deployment", "ConfigMap", "Service", "NetworkPolicy"):
         if SERVICE_LABEL in labels:
             keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
+        elif kind == "Service" and SLICE_LABEL in labels:
+            keys.append(("Slice", ns, labels[SLICE_LABEL]))
     elif kind in ("Node", "SliceQueue"):
         keys.append(GANG_PASS)
     return keys

@@ -42,11 +42,13 @@ from tokenfleet_operator.autoscale.policy import Targets, recommend
 from tokenfleet_operator.autoscale.startup import replica_startup_seconds, serving_seconds, starting_replicas
 from tokenfleet_operator.builders.auth import DEFAULT_OPERATOR_NAMESPACE, Wiring, replica_key_secret_name
 from tokenfleet_operator.builders.inference_service import accelerators_per_replica, desired_children, endpoints_config, hourly_cost
+from tokenfleet_operator.builders.model_shape import needs_model_shape
 from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
 from tokenfleet_operator.controller.collector import ready_serving_pods
 from tokenfleet_operator.controller.errors import InvalidSpec
 from tokenfleet_operator.controller.manager import Context
 from tokenfleet_operator.inference_service_status import (
+    WAITING_REASONS,
     Measured,
     Scaling,
     compute_status,
@@ -60,6 +62,7 @@ from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_operator.reconcile import child_errors
 from tokenfleet_operator.reconcile.child_errors import Refusal
 from tokenfleet_operator.reconcile.drift import needs_apply
+from tokenfleet_operator.reconcile.model_shape import ShapeStep, model_shape_step
 from tokenfleet_operator.reconcile.replica_key import ReplicaKeys, known_key_id
 from tokenfleet_operator.validation import Problem, check_inference_service
 
@@ -85,10 +88,15 @@ def write_status(ctx: Context, body: dict[str, Any], status: dict[str, Any]) -> 
     if status == old:
         return
     ctx.apply_status(body, status)
+    before, after = cond.find(old.get("conditions"), "Ready"), cond.find(status["conditions"], "Ready")
+    if (before and after and before.get("status") == after.get("status") == "False"
+            and before.get("reason") in WAITING_REASONS and after.get("reason") not in WAITING_REASONS):
+        # still not ready, but no longer for a wait the operator sees through: a problem for a person
+        ctx.event(body, "Warning", after["reason"], after.get("message", ""))
     for t in cond.transitions(old.get("conditions"), status["conditions"]):
         if t.type == "Ready":
             kind = "Normal" if t.new_status == "True" else "Warning"
-            if t.old_status is None and t.new_status != "True" and t.reason in ("SlicesNotReady",):
+            if t.old_status is None and t.new_status != "True" and t.reason in ("SlicesNotReady", "ReadingModel"):
                 continue  # a brand-new service is expected to be not ready yet
             ctx.event(body, kind, t.reason, t.message)
         elif t.type in ("Degraded", "ScalingLimited") and t.new_status == "True":
@@ -201,13 +209,22 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
     owner = {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": meta}
     old_status = body.get("status") or {}
 
+    shape = ShapeStep()
     try:
         spec = _parse_spec(body)
         problems = check_inference_service(spec, policy)
+        if not problems and needs_model_shape(spec):
+            shape = model_shape_step(ctx, owner, spec, old_status)
+            problems = [shape.problem] if shape.problem else check_inference_service(spec, policy, shape.shape)
         if problems:
             raise InvalidSpec(problems[0])
     except InvalidSpec as e:
-        write_status(ctx, body, invalid_status(owner, e.problem, old_status))
+        status = invalid_status(owner, e.problem, old_status)
+        if shape.status is not None:
+            status["modelShape"] = shape.status
+        write_status(ctx, body, status)
+        if e.problem.reason == "ReadingModel":
+            return None          # the pod's progress is a watch event that brings us back
         raise
 
     for field, source in model_sources(spec):
@@ -310,6 +327,8 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
         scaling=Scaling(replicas, autoscaling, limited, drain.draining),
         measured=_measure(ctx, spec, len(states), history, old_status),
     )
+    if shape.status is not None:
+        status["modelShape"] = shape.status
     status = child_errors.with_refusals(status, old_status.get("conditions"), refused)
     write_status(ctx, body, status)
     for refusal in child_errors.news(old_status.get("conditions"), refused, status["conditions"]):

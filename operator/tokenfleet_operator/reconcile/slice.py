@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.slice import SliceSpec
+from tokenfleet_operator.builders.slice_pods import rendezvous_service
 from tokenfleet_operator.conditions import parse_rfc3339
 from tokenfleet_operator.controller.collector import leader_pod
 from tokenfleet_operator.controller.errors import InvalidSpec
@@ -49,6 +50,34 @@ def _reported_checkpoint(ctx: Context, namespace: str, name: str, spec: SliceSpe
     return final or ctx.collector.checkpoint(namespace, name)
 
 
+def _ensure_rendezvous(ctx: Context, body: dict[str, Any], spec: SliceSpec
+                       ) -> tuple[list[tuple[str, child_errors.Refusal]], KubeError | None]:
+    """Make the headless Service of a multi-host Slice before its members (they resolve the leader through it).
+    It stays across gang restarts and goes with the Slice. A Service of that name that another object owns
+    is not taken over: the members are not created, and the Slice says why."""
+    service = rendezvous_service(body, spec)
+    if service is None:
+        return [], None
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    existing = ctx.cache.get("Service", namespace, name)
+    if existing is not None:
+        if any(r.get("uid") == body["metadata"]["uid"] for r in existing["metadata"].get("ownerReferences") or []):
+            return [], None
+        message = (f"Service {name} exists and is not this Slice's; the members resolve the leader through a "
+                   "headless Service of the Slice's name: rename the Slice or that Service")
+        return ([("Ready", child_errors.Refusal("Service", name, "ServiceNameTaken", message))],
+                KubeError(409, message, reason="AlreadyExists"))
+    try:
+        ctx.create(service)
+    except KubeError as e:
+        refusal = child_errors.refusal_of("Service", name, e)
+        if refusal is None:
+            raise
+        return [("Ready", refusal)], e
+    metrics.CHILDREN_APPLIED.labels(kind="Service").inc()
+    return [], None
+
+
 def reconcile_slice(ctx: Context, namespace: str, name: str, *, now: dt.datetime | None = None,
                     policy: OperatorPolicy = DENY_HOST_PATHS) -> float | None:
     """One pass. ``policy``: what a cluster administrator allows (host-path checkpoint stores)."""
@@ -75,6 +104,10 @@ def reconcile_slice(ctx: Context, namespace: str, name: str, *, now: dt.datetime
         reported_checkpoint=_reported_checkpoint(ctx, namespace, name, spec),
         policy=policy,
     )
+    refused: list[tuple[str, child_errors.Refusal]] = []
+    refusal_error: KubeError | None = None
+    if plan.create:
+        refused, refusal_error = _ensure_rendezvous(ctx, body, spec)
     uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pod_objs}
     if plan.counts_restart:
         # Record the restart first, guarded by resourceVersion: if another pass got here first this fails
@@ -84,9 +117,7 @@ def reconcile_slice(ctx: Context, namespace: str, name: str, *, now: dt.datetime
         metrics.SLICE_RESTARTS.labels(namespace=namespace, slice=name, reason=last.get("reason", "")).inc()
     for pod_name in plan.delete:
         ctx.delete("v1", "Pod", namespace, pod_name, uid=uids.get(pod_name))
-    refused: list[tuple[str, child_errors.Refusal]] = []
-    refusal_error: KubeError | None = None
-    for pod in plan.create:
+    for pod in plan.create if not refused else ():
         try:
             ctx.create(pod)
         except KubeError as e:

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                       hf_output_tok_s_runs=[out_tokens / r[0] for r in hf_runs],
                       greedy_match_hf=sum(a == b for a, b in zip(engine_out, hf_out)) / len(prompts))
 
-    if engine.model.kernels is not None and not args.skip_pytorch_path:
+    if engine.runner.kernels is not None and not args.skip_pytorch_path:
         # the same engine without the compiled CPU kernels, so their effect shows side by side
         plain = LLMEngine.from_pretrained(model_dir, **engine_args, cpu_kernels=False)
         t_plain = run_engine_w1(plain, prompts, args.output_len)[0]

@@ -217,7 +217,7 @@ def paired_ratio(runs: list[Run], baseline: list[Run]) -> tuple[float, list[floa
 @torch.inference_mode()
 def sequence_logits(eng: LLMEngine, seq: list[int]) -> torch.Tensor:
     """fp32 logits of every position of ``seq``, in one forward over a free part of the pool."""
-    model, bs = eng.model, eng.kv.block_size
+    model, bs = eng.runner, eng.kv.block_size
     table = eng.kv.pool.allocate(-(-len(seq) // bs))
     try:
         return model.forward(build_batch([SeqChunk(seq, 0, table, True)], bs, model.device, model.compiled_prefill),
@@ -282,8 +282,8 @@ def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
             "int8_greedy_disagreements_at_near_ties": g["disagreements_at_near_ties"],
             "int8_greedy_agreement_outside_near_ties": g["agreement_outside_near_ties"],
             "int8_free_running_identical_fraction": g["free_running_identical_fraction"],
-            "int8_weight_bytes": q8.model.weight_bytes(), "unquantized_weight_bytes": ref.model.weight_bytes(),
-            "int8_weight_bytes_ratio": q8.model.weight_bytes() / ref.model.weight_bytes()}
+            "int8_weight_bytes": q8.runner.weight_bytes(), "unquantized_weight_bytes": ref.runner.weight_bytes(),
+            "int8_weight_bytes_ratio": q8.runner.weight_bytes() / ref.runner.weight_bytes()}
 
 
 def int8_copy_model_agreement(model_dir: Path, prompts: list[list[int]], tokens: int) -> dict:

@@ -12,7 +12,8 @@ class PodEnv(StrEnum):
     SLICE = "TOKENFLEET_SLICE"                          # the Slice's name
     MEMBER_INDEX = "TOKENFLEET_MEMBER_INDEX"            # 0..hosts-1; member 0 leads
     SLICE_HOSTS = "TOKENFLEET_SLICE_HOSTS"              # members in the gang
-    LEADER_POD = "TOKENFLEET_LEADER_POD"                # the leader's pod name (and DNS name in the headless Service)
+    LEADER_POD = "TOKENFLEET_LEADER_POD"                # the leader's pod name (its hostname)
+    LEADER_ADDRESS = "TOKENFLEET_LEADER_ADDRESS"        # hosts > 1: the leader's DNS name in the Slice's Service
     ATTEMPT = "TOKENFLEET_ATTEMPT"                      # gang restarts so far: every member of one attempt agrees
     REVISION = "TOKENFLEET_REVISION"                    # hash of the Slice spec the pod was made from
     TOPOLOGY = "TOKENFLEET_TOPOLOGY"                    # spec.topology, when set

@@ -23,7 +23,7 @@ from .batch import SeqChunk, build_batch
 from .block_pool import BlockPool
 from .config import CheckpointError
 from .loader import load_checkpoint, load_config
-from .model import LlamaModel
+from .model_runner import ModelRunner
 from .request import Request
 from .sampler import filter_probs
 from .tokenizer import load_tokenizer
@@ -68,10 +68,10 @@ class DraftModel:
         ckpt = load_checkpoint(directory, dtype=load_dtype, with_tokenizer=False)
         self.config = ckpt.config
         self.max_model_len = min(max_model_len, ckpt.config.max_model_len)
-        self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, device, self.max_model_len,
+        self.runner = ModelRunner(ckpt.config, ckpt.weights, dtype, device, self.max_model_len,
                                 use_kernels=use_kernels, quantization=quantization)
         del ckpt
-        self.kv_cache_bytes = self.model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache_bytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.states: dict[str, _State] = {}
@@ -132,8 +132,8 @@ class DraftModel:
         dists: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         step = 0
         while chunks:
-            logits = self.model.forward(build_batch(chunks, self.block_size, self.model.device,
-                                                    self.model.compiled_prefill))
+            logits = self.runner.forward(build_batch(chunks, self.block_size, self.runner.device,
+                                                    self.runner.compiled_prefill))
             tokens, probs = self._draw(logits, [reqs[i] for i in live])
             next_live, chunks = [], []
             for i, t, p in zip(live, tokens, probs):

@@ -133,14 +133,14 @@ def _run_probe(model, vocab: int, seed: int) -> tuple[float, bool]:
 def measure(config: ModelConfig, candidates: list[torch.dtype], use_kernels: bool = True,
             quantization: str = "none") -> dict[str, float]:
     """Probe tokens per second of each candidate (0 for one whose logits were not finite)."""
-    from .model import LlamaModel
+    from .model_runner import ModelRunner
 
     small = probe_config(config)
     weights = probe_weights(small)
     max_len = min(small.max_model_len, PROBE_PROMPT + PROBE_DECODES + PROBE_BLOCK)
     models = {}
     for dtype in candidates:
-        model = LlamaModel(small, weights, dtype, torch.device("cpu"), max_len, use_kernels=use_kernels,
+        model = ModelRunner(small, weights, dtype, torch.device("cpu"), max_len, use_kernels=use_kernels,
                            quantization=quantization)
         model.allocate_kv_cache(PROBE_SEQS * -(-(PROBE_PROMPT + PROBE_DECODES) // PROBE_BLOCK), PROBE_BLOCK)
         _run_probe(model, small.vocab_size, seed=1)                 # warm-up: kernels, oneDNN primitives

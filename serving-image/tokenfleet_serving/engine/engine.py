@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from . import continuation as cont_
-from .batch import SeqChunk, build_batch
+from .batch import SeqChunk, StepBatch, build_batch
+from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
-from .loader import load_checkpoint, load_config
-from .model import LlamaModel
+from .loader import load_config
+from .model import split_error
 from .quantization import parse_quantization
 from .request import Request, RequestOutput, TokenLogprob
 from .sampler import sample
@@ -30,6 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import SpecDecodeStats, SpeculativeConfig, Speculator
 from .tokenizer import IncrementalDetokenizer
+from .worker import RankSetup, load_rank, rank_threads, spawn_local_ranks, stop_ranks
 
 log = logging.getLogger("tokenfleet.engine")
 
@@ -59,6 +61,8 @@ class EngineConfig:
     quantization: str = "none"          # "int8": weight-only int8 linears, quantized at load (quantization.py)
     speculative: SpeculativeConfig | None = None    # speculative decoding (speculative.py); None: off
     load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
+    parallel: ParallelConfig | None = None   # tensor parallelism over processes (distributed.py); None: one rank
+    model_revision: str | None = None   # the checkpoint's revision every rank must share (None: a fingerprint)
 
 
 @dataclass
@@ -82,35 +86,41 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        parallel = config.parallel or ParallelConfig()
+        parallel.check()
         device = torch.device(config.device if config.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and parallel.world_size > 1:
+            device = torch.device("cuda", 0)               # local rank 0 of the leader host
+        threads = config.num_threads or rank_threads(parallel, usable_cpus())
         if device.type == "cpu":
-            torch.set_num_threads(config.num_threads or usable_cpus())
+            torch.set_num_threads(threads)
         self.quantization = parse_quantization(config.quantization)
-        self.dtype_choice = choose_dtype(config.dtype, device, load_config(config.model), config.cpu_kernels,
-                                         self.quantization)
+        model_config = load_config(config.model)
+        self.dtype_choice = choose_dtype(config.dtype, device, model_config, config.cpu_kernels, self.quantization)
         self.device, self.dtype = device, self.dtype_choice.dtype
-        # int8 quantizes from the checkpoint's full precision (fp32 holds bf16 and fp16 exactly)
-        load_dtype = torch.float32 if self.quantization == "int8" else self.dtype
-        ckpt = load_checkpoint(config.model, dtype=load_dtype, with_tokenizer=config.load_tokenizer,
-                               load_format=config.load_format)
-        self.startup_marks = {"weights_loaded": time.monotonic()}      # server/startup.py reports them
-        self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
-        self.max_model_len = min(config.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
-        self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, device, self.max_model_len,
-                                use_kernels=config.cpu_kernels, quantization=self.quantization)
-        del ckpt
-        if config.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {config.block_size}")
-        num_blocks = config.kv_cache_bytes // self.model.kv_block_bytes(config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block "
-                             f"({self.model.kv_block_bytes(config.block_size)} bytes)")
-        self.kv_cache_bytes = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        self.group: ProcessGroup | None = None
+        self.followers: list = []              # this host's other ranks (worker processes)
+        if parallel.world_size > 1:
+            self._join(parallel, model_config, threads)
+        setup = RankSetup(self.dtype, self.quantization, config.cpu_kernels, config.max_model_len,
+                          config.kv_cache_bytes, config.block_size, config.load_format)
+        self.startup_marks: dict[str, float] = {}                        # server/startup.py reports them
+        try:
+            if self.group is not None:
+                self.group.broadcast(setup)
+            loaded = load_rank(setup, config.model, device, self.group, config.load_tokenizer, self.startup_marks)
+            if self.group is not None:
+                self.group.barrier()
+        except BaseException:
+            self.close()
+            raise
+        self.runner, self.model_config, self.tokenizer = loaded.runner, loaded.config, loaded.tokenizer
+        self.max_model_len, num_blocks, self.kv_cache_bytes = loaded.max_model_len, loaded.num_blocks, loaded.kv_cache_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.kv)
-        self.speculator = (Speculator(config.speculative, self.model, config.model, num_blocks, config.block_size,
+        self.speculator = (Speculator(config.speculative, self.runner, config.model, num_blocks, config.block_size,
                                       self.max_model_len, config.cpu_kernels) if config.speculative else None)
         eos = set(self.model_config.eos_token_ids)
         eos_id = self.tokenizer.token_id(self.tokenizer.eos_token) if self.tokenizer is not None else None
@@ -123,6 +133,42 @@ class LLMEngine:
         self.finished_counts: dict[str, int] = {}
         self.lock = threading.RLock()
         self.startup_marks["kernels_ready"] = time.monotonic()
+
+    def _join(self, parallel: ParallelConfig, model_config, threads: int) -> None:
+        """Start this host's other ranks, form the group as rank 0 and check every rank's checkpoint."""
+        why = split_error(model_config, parallel.tensor_parallel_size)
+        if why is not None:
+            raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size}: {why}")
+        identity = checkpoint_identity(self.config.model, self.config.model_revision)
+        if parallel.node_rank == 0:
+            self.followers = spawn_local_ranks(parallel, self.config.model, self.config.model_revision,
+                                               range(1, parallel.local_ranks), threads, self.device.type)
+        try:
+            self.group = join(parallel, 0, self.device)
+            check_identities(self.group, identity, self.config.model)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the other ranks and wait for this host's worker processes (tensor parallelism; else a no-op)."""
+        group, self.group = self.group, None
+        if group is not None:
+            runner = getattr(self, "runner", None)
+            try:
+                if runner is not None:
+                    runner.stop_followers()
+            except RankFailure:
+                pass
+            group.close()
+        followers, self.followers = self.followers, []
+        stop_ranks(followers, timeout_s=10.0 if group is not None and group.broken is None else 0.1)
+
+    def keepalive(self) -> None:
+        """Called while idle: keeps the other ranks' wait for the next step bounded (RankFailure when one is
+        gone)."""
+        with self.lock:
+            self.runner.keepalive()
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **kwargs) -> LLMEngine:
@@ -175,49 +221,63 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> run -> sample -> update; returns the outputs of the requests it moved."""
         with self.lock:
             started = time.perf_counter()
-            outputs = [self._output(r) for r in self.aborted]
-            self.aborted.clear()
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
-            scheduled = self.scheduler.schedule()
+            outputs = self._take_aborted()
+            scheduled = self._schedule()
             if not scheduled:
                 return outputs
-            chunks, owners = [], []
-            for r, n in scheduled:
-                start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
-                if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
-                    for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
-                        chunks.append(SeqChunk([token], start + i, table, True))
-                        owners.append(r)
-                    continue
-                chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
-                owners.append(r)
-            batch = build_batch(chunks, self.kv.block_size, self.device, self.model.compiled_prefill)
-            forward_started = time.perf_counter()
-            logits = self.model.forward(batch)
-            forward_seconds = time.perf_counter() - forward_started
-            rows = [owners[i] for i in batch.sample_order]          # one per logits row
-            for req, n in scheduled:
-                req.num_computed_tokens += n
-            speculated = [r for r, _ in scheduled if r.spec_token_ids]
-            plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
-            to_sample = [rows[i] for i in plain]
-            if to_sample:
-                sampled = self._sample_isolated(logits[plain] if speculated else logits, to_sample)
-                for req, token, lp in sampled:
-                    self._append_isolated(req, token, lp)
-            if speculated:
-                assert self.speculator is not None
-                for req in speculated:
-                    self._verify_isolated(req, logits[[i for i, r in enumerate(rows) if r is req]])
-                to_sample = to_sample + speculated
-            for req in to_sample:
-                outputs.append(self._output(req))
-            if self.speculator is not None:
-                self.speculator.step_done(bool(speculated), time.perf_counter() - started, forward_seconds)
-            return outputs
+            batch, rows = self._prepare(scheduled)
+            logits = self.runner.forward(batch)
+            return outputs + self._sample_and_update(scheduled, rows, logits, started)
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self.aborted]
+        self.aborted.clear()
+        return outputs
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepBatch, list[Request]]:
+        """The step's batch, and the request of each logits row."""
+        chunks, owners = [], []
+        for r, n in scheduled:
+            start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
+            if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
+                for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
+                    chunks.append(SeqChunk([token], start + i, table, True))
+                    owners.append(r)
+                continue
+            chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
+            owners.append(r)
+        batch = build_batch(chunks, self.kv.block_size, self.device, self.runner.compiled_prefill)
+        return batch, [owners[i] for i in batch.sample_order]
+
+    def _sample_and_update(self, scheduled: list[tuple[Request, int]], rows: list[Request], logits: torch.Tensor,
+                           started: float) -> list[RequestOutput]:
+        """Sample (or verify drafts) from the step's logits and append the tokens; the moved requests' outputs."""
+        forward_seconds = self.runner.last_forward_seconds
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        speculated = [r for r, _ in scheduled if r.spec_token_ids]
+        plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
+        to_sample = [rows[i] for i in plain]
+        if to_sample:
+            sampled = self._sample_isolated(logits[plain] if speculated else logits, to_sample)
+            for req, token, lp in sampled:
+                self._append_isolated(req, token, lp)
+        if speculated:
+            assert self.speculator is not None
+            for req in speculated:
+                self._verify_isolated(req, logits[[i for i, r in enumerate(rows) if r is req]])
+            to_sample = to_sample + speculated
+        if self.speculator is not None:
+            self.speculator.step_done(bool(speculated), time.perf_counter() - started, forward_seconds)
+        return [self._output(req) for req in to_sample]
 
     # ---- per-request failure isolation -----------------------------------
     # An exception raised while sampling or appending one request's token fails

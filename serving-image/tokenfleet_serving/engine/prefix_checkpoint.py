@@ -76,7 +76,7 @@ def weights_fingerprint(model_dir: str | Path) -> str:
 def engine_identity(engine: LLMEngine, revision: str | None = None) -> dict[str, Any]:
     """What a checkpoint of ``engine`` must match to be loaded by it."""
     model_dir = engine.config.model
-    pool = engine.model.kv_pool
+    pool = engine.runner.kv_pool
     return {
         "format": VERSION,
         "hash_scheme": HASH_SCHEME,
@@ -132,7 +132,7 @@ def _closed_under_parents(pool, order: list[int], limit: int) -> list[int]:
 
 def export_snapshot(engine: LLMEngine, max_blocks: int) -> Snapshot:
     """Copy the hottest ``max_blocks`` cached blocks (under the engine's lock, between steps)."""
-    pool_tensor = engine.model.kv_pool
+    pool_tensor = engine.runner.kv_pool
     with engine.lock:
         pool = engine.kv.pool
         blocks = _closed_under_parents(pool, pool.hottest_cached(), max_blocks)
@@ -150,7 +150,7 @@ def import_snapshot(engine: LLMEngine, snap: Snapshot) -> int:
     """Put the snapshot's blocks into the prefix cache as free cached blocks; returns how many were added.
     A block whose hash is not sha256(parent, tokens), or whose parent is not cached, is skipped (and so are
     its children). Refused (ValueError) while requests run."""
-    pool_tensor = engine.model.kv_pool
+    pool_tensor = engine.runner.kv_pool
     bs = engine.kv.block_size
     with engine.lock:
         if engine.requests:

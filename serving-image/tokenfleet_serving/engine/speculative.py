@@ -53,7 +53,7 @@ from .request import Request
 
 if TYPE_CHECKING:
     from .draft_model import DraftModel
-    from .model import LlamaModel
+    from .model_runner import ModelRunner
 
 log = logging.getLogger("tokenfleet.engine")
 
@@ -193,7 +193,7 @@ def choose(gains: list[tuple[float, int]], batch: int, cost: StepCost, draft_rou
     return best_s
 
 
-def forward_seconds(model: LlamaModel, rows: int, context: int, rounds: int = 3) -> float:
+def forward_seconds(model: ModelRunner, rows: int, context: int, rounds: int = 3) -> float:
     """Best time of ``rounds`` forward passes over ``rows`` one-token decodes, each the last of ``context``
     tokens (in blocks 0.. of a pool nothing uses yet, whatever they hold)."""
     bs = model.block_size
@@ -212,17 +212,17 @@ def forward_seconds(model: LlamaModel, rows: int, context: int, rounds: int = 3)
 COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)   # rows the target step cost is measured at
 
 
-def measure_cost(model: LlamaModel, num_blocks: int, max_model_len: int, draft: LlamaModel | None = None,
+def measure_cost(model: ModelRunner, num_blocks: int, max_model_len: int, draft: ModelRunner | None = None,
                  draft_blocks: int = 0) -> StepCost:
     """``StepCost`` from forward passes of the model over COST_ROWS decode rows (as many as the pool holds;
     made non-decreasing, against timing noise), with a line through the first and last for the log; the
     draft's from 1 and up to 32 rows."""
     context = min(32, max_model_len)
 
-    def most_rows(m: LlamaModel, blocks: int) -> int:
+    def most_rows(m: ModelRunner, blocks: int) -> int:
         return max(2, blocks // -(-context // m.block_size))
 
-    def line(m: LlamaModel, blocks: int) -> tuple[float, float]:
+    def line(m: ModelRunner, blocks: int) -> tuple[float, float]:
         high = min(32, most_rows(m, blocks))
         one, many = forward_seconds(m, 1, context), forward_seconds(m, high, context)
         per_token = max((many - one) / (high - 1), 1e-7)
@@ -241,7 +241,7 @@ def measure_cost(model: LlamaModel, num_blocks: int, max_model_len: int, draft: 
 class Speculator:
     """Proposes drafts before a step and verifies them after it (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, model: LlamaModel, model_dir: str | Path, num_blocks: int,
+    def __init__(self, config: SpeculativeConfig, model: ModelRunner, model_dir: str | Path, num_blocks: int,
                  block_size: int, max_model_len: int, use_kernels: bool = True):
         self.config = config
         self.k = config.num_speculative_tokens
@@ -265,7 +265,7 @@ class Speculator:
         self.cost: StepCost | None = None
         self.overhead = 0.0          # seconds of a step outside the forward pass (scheduling, sampling), running
         if config.adaptive:
-            self.cost = measure_cost(model, num_blocks, max_model_len, self.draft.model if self.draft else None,
+            self.cost = measure_cost(model, num_blocks, max_model_len, self.draft.runner if self.draft else None,
                                      num_blocks)
             log.info("speculative decoding (%s, k=%d): step cost %.2f ms + %.3f ms/token%s", config.method, self.k,
                      self.cost.base * 1e3, self.cost.per_token * 1e3,

@@ -210,6 +210,8 @@ class Server:
             self._saver.cancel()
         if self.engine_loop is not None:
             self.engine_loop.stop()
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()          # releases the other ranks of a tensor-parallel replica
 
     # ---- middleware ------------------------------------------------------------
     @web.middleware

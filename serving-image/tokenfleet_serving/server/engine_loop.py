@@ -232,6 +232,9 @@ class EngineLoop:
                 else:
                     self._publish([])
                     self._wake.wait(self.idle_wait_s)
+                    keepalive = getattr(self.engine, "keepalive", None)
+                    if keepalive is not None:      # tensor parallelism: the other ranks' wait stays bounded
+                        keepalive()
         except BaseException as e:  # noqa: BLE001 - the engine is broken: fail every request, stop stepping
             log.exception("engine step loop stopped")
             if self.error is None:

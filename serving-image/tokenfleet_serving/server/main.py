@@ -167,8 +167,41 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--model-revision", default=None,
                       help="the model's revision, which a checkpoint must match to be loaded (default: a "
                            "fingerprint of the weight files)")
+    par = p.add_argument_group("parallelism (one replica over several accelerators or hosts; docs/engine.md)")
+    par.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                     help="ranks the model's weights and KV cache are split over; on one host this process starts "
+                          "the other ranks itself, one process per local accelerator (CPU: per share of the cores)")
+    par.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
+                     help="pipeline stages: not implemented yet, a value above 1 is refused")
+    par.add_argument("--nnodes", type=positive_int, default=1, help="hosts in the replica")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's index in the replica, 0 = the leader")
+    par.add_argument("--master-addr", default=None,
+                     help="the leader's address (a DNS name), required when --nnodes > 1")
+    par.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the leader")
+    par.add_argument("--headless", action="store_true",
+                     help="serve no OpenAI API, only /health and /metrics on --port, and run this host's ranks "
+                          "(every --node-rank > 0)")
+    par.add_argument("--distributed-timeout-seconds", type=_positive_float, default=60.0,
+                     help="bound for joining the replica and for every collective; a rank that cannot reach the "
+                          "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def parallel_config(args: argparse.Namespace):
+    """The engine's ParallelConfig from the flags; ValueError naming the flag at fault."""
+    from tokenfleet_serving.engine.distributed import ParallelConfig
+
+    if args.nnodes > 1 and not args.master_addr:
+        raise ValueError("--master-addr is required when --nnodes > 1 (the leader's address)")
+    if args.node_rank > 0 and not args.headless:
+        raise ValueError(f"--node-rank {args.node_rank}: a member other than the leader runs with --headless")
+    if args.headless and args.node_rank == 0:
+        raise ValueError("--headless: node rank 0 is the leader, which serves the API")
+    config = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes, args.node_rank,
+                            args.master_addr or "127.0.0.1", args.master_port, args.distributed_timeout_seconds)
+    config.check()
+    return config
 
 
 class _Refused(Exception):
@@ -200,12 +233,17 @@ def config_from_args(args: argparse.Namespace):
     from .app import ServerConfig
     from .warm_restart import WarmRestartConfig
 
+    parallel = parallel_config(args)
+    if parallel.world_size > 1 and (args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR")):
+        raise ValueError("--prefix-checkpoint-dir (warm restart) is not implemented with --tensor-parallel-size > 1 "
+                         "yet: each rank holds part of every KV block")
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
                           quantization=args.quantization, speculative=speculative_config(args),
-                          load_format=args.load_format)
+                          load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
+                          model_revision=args.model_revision)
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
@@ -252,13 +290,30 @@ async def serve(config, host: str, port: int, *, on_listening=None, server_holde
             rc = 1
             write_termination_message(f"tokenfleet serve: loading the model failed: {load.exception()}")
         else:
-            await stop
+            lost = asyncio.ensure_future(_rank_lost(server))
+            await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if lost.done():
+                rc = 1            # a rank of the replica is gone: the Slice restarts as one unit
+            lost.cancel()
         if not load.done():
             load.cancel()
     finally:
         await runner.cleanup()
         server.close()
     return rc
+
+
+async def _rank_lost(server, grace_s: float = 2.0) -> None:
+    """Return once the engine died because a rank of its tensor-parallel group is gone (or a collective timed
+    out), ``grace_s`` after /health started answering 503 for it."""
+    from tokenfleet_serving.engine.distributed import RankFailure
+
+    while True:
+        await asyncio.sleep(0.5)
+        loop_ = server.engine_loop
+        if loop_ is not None and isinstance(loop_.error, RankFailure):
+            await asyncio.sleep(grace_s)
+            return
 
 
 def read_ahead(model_dir: str) -> None:
@@ -294,4 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     import prometheus_client
 
     prometheus_client.disable_created_metrics()    # like vLLM: no *_created series
+    if args.headless:
+        from .headless import serve_member
+
+        return asyncio.run(serve_member(config.engine, args.host, args.port))
     return asyncio.run(serve(config, args.host, args.port))

@@ -42,8 +42,8 @@ def test_the_circuits_filler_layers_compute_but_change_no_greedy_token(tmp_path)
         assert eng.model_config.num_layers == (2 if name == "bare" else 4)
         outs[name] = [o.new_token_ids for o in eng.generate(prompts, levers.SamplingParams(max_tokens=40, temperature=0.0))]
         if name == "padded":       # the filler is not zero: it moves the logits, only not their argmax
-            filler = eng.model.layers[3]
-            assert filler["gate_up"](torch.ones(1, 256)).abs().max() > 0
+            filler = eng.runner.layers[3]
+            assert filler.linears()["gate_up"](torch.ones(1, 256)).abs().max() > 0
     assert outs["padded"] == outs["bare"] and all(outs["bare"])
 
 

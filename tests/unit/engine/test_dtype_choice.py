@@ -9,7 +9,7 @@ import torch
 
 from tokenfleet_serving.engine import LLMEngine, cpu_features, cpu_kernels, dtype_choice
 from tokenfleet_serving.engine.loader import load_config
-from tokenfleet_serving.engine.model import LlamaModel
+from tokenfleet_serving.engine.model_runner import ModelRunner
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_a_candidate_with_non_finite_logits_is_not_correct(llama_dir):
     config = dtype_choice.probe_config(load_config(llama_dir))
     weights = dtype_choice.probe_weights(config)
     weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
-    model = LlamaModel(config, weights, torch.float32, torch.device("cpu"), 64)
+    model = ModelRunner(config, weights, torch.float32, torch.device("cpu"), 64)
     model.allocate_kv_cache(dtype_choice.PROBE_SEQS * 4, dtype_choice.PROBE_BLOCK)
     seconds, finite = dtype_choice._run_probe(model, config.vocab_size, seed=0)
     assert seconds > 0 and not finite
@@ -58,7 +58,7 @@ def test_a_candidate_with_non_finite_logits_is_not_correct(llama_dir):
 def test_the_engine_runs_in_the_dtype_auto_chose(llama_dir, cache):
     eng = LLMEngine.from_pretrained(llama_dir, dtype="auto", kv_cache_bytes=1 << 20, block_size=4)
     assert eng.dtype_choice.how in ("measured", "cached")
-    assert eng.dtype == eng.dtype_choice.dtype and eng.model.kv_pool.dtype == eng.dtype
+    assert eng.dtype == eng.dtype_choice.dtype and eng.runner.kv_pool.dtype == eng.dtype
     out = eng.generate([[1, 2, 3]], dtype_choice_params())[0]
     assert len(out.new_token_ids) == 3
 

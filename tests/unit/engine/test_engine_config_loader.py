@@ -147,7 +147,7 @@ def test_half_precision_logits_match_transformers_in_the_same_dtype(llama_dir, d
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     eng = LLMEngine.from_pretrained(llama_dir, dtype=dtype, kv_cache_bytes=1 << 20, block_size=4)
-    assert eng.model.kv_pool.dtype == getattr(torch, dtype)
+    assert eng.runner.kv_pool.dtype == getattr(torch, dtype)
     table = eng.kv.pool.allocate(8)
-    got = eng.model.forward(build_batch([SeqChunk(prompt, 0, table, True)], 4, eng.device), all_logits=True)
+    got = eng.runner.forward(build_batch([SeqChunk(prompt, 0, table, True)], 4, eng.device), all_logits=True)
     assert (got - ref).abs().max() < tolerance

@@ -107,6 +107,6 @@ def test_a_fault_no_request_can_be_blamed_for_stops_the_step(eng, monkeypatch):
 
     def broken(batch):
         raise RuntimeError("device lost")
-    monkeypatch.setattr(eng.model, "forward", broken)
+    monkeypatch.setattr(eng.runner, "forward", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         eng.step()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfleet_serving.engine import cpu_kernels
-from tokenfleet_serving.engine.model import Linear
+from tokenfleet_serving.engine.layers.linear import Linear
 
 
 def gathered(layer, table, n, heads):
@@ -186,7 +186,7 @@ def test_write_kv_kernel_matches_index_copy(lib):
 
 @pytest.mark.parametrize("rows,heads,head_dim", [(1, 1, 8), (5, 12, 64), (300, 3, 128)])
 def test_rope_kernel_matches_the_model_rotation_in_place(lib, rows, heads, head_dim):
-    from tokenfleet_serving.engine.model import LlamaModel
+    from tokenfleet_serving.engine.layers.rotary_embedding import RotaryEmbedding
     torch.manual_seed(rows)
     freqs = torch.outer(torch.arange(400, dtype=torch.float32), torch.rand(head_dim // 2))
     cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
@@ -194,7 +194,7 @@ def test_rope_kernel_matches_the_model_rotation_in_place(lib, rows, heads, head_
     positions = torch.randint(0, 400, (rows,))
     rows_of = torch.randn(rows, heads + 2, head_dim)                      # rotate the first heads of wider rows
     x = rows_of[:, :heads]
-    expected = LlamaModel._rope(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    expected = RotaryEmbedding.rotate(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     untouched = rows_of[:, heads:].clone()
     cpu_kernels.rope_(lib, x, cos, sin, positions)
     assert torch.allclose(x, expected, rtol=1e-6, atol=1e-6)
@@ -306,7 +306,7 @@ def test_engine_without_kernels_uses_the_pytorch_path(llama_dir, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.delenv("TOKENFLEET_CPU_KERNELS")
     on = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=4)
-    assert off.model.kernels is None and on.model.kernels is not None
+    assert off.runner.kernels is None and on.runner.kernels is not None
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i, 9, 11 + 2 * i] * (i + 1) for i in range(6)]
     assert [o.new_token_ids for o in off.generate(prompts, params)] == \
@@ -387,7 +387,7 @@ def test_the_kv_pool_is_zeroed_and_backed_by_huge_pages_where_linux_allows(llama
     from tokenfleet_serving.engine import LLMEngine
 
     eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", device="cpu", kv_cache_bytes=32 << 20)
-    pool = eng.model.kv_pool
+    pool = eng.runner.kv_pool
     assert pool.numel() * 4 >= 16 << 20 and not pool.any()           # zeroed, as torch.zeros was
     assert pool.data_ptr() % (2 << 20) == 0 and pool.is_contiguous()
     pool[-1, -1, -1, -1, -1, -1] = 7.0                                 # writable to its last float

@@ -21,10 +21,10 @@ def rss_bytes() -> int:
 @pytest.mark.parametrize("budget", [10_000, 1 << 20, 3 * (1 << 20) + 123])
 def test_kv_pool_never_exceeds_its_budget(llama_dir, budget):
     eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=budget, block_size=4)
-    pool_bytes = eng.model.kv_pool.numel() * eng.model.kv_pool.element_size()
+    pool_bytes = eng.runner.kv_pool.numel() * eng.runner.kv_pool.element_size()
     assert pool_bytes <= budget and eng.kv_cache_bytes == pool_bytes
-    assert budget - pool_bytes < eng.model.kv_block_bytes(4)          # and wastes less than one block
-    assert eng.kv.pool.num_blocks == eng.model.kv_pool.shape[3]
+    assert budget - pool_bytes < eng.runner.kv_block_bytes(4)          # and wastes less than one block
+    assert eng.kv.pool.num_blocks == eng.runner.kv_pool.shape[3]
 
 
 def serve_10000_requests(model_dir: str) -> dict:

@@ -9,7 +9,7 @@ import torch
 from tokenfleet_serving.engine import LLMEngine, SamplingParams, cpu_kernels
 from tokenfleet_serving.engine import batch as batch_module
 from tokenfleet_serving.engine.batch import SeqChunk, build_batch
-from tokenfleet_serving.engine.model import Linear
+from tokenfleet_serving.engine.layers.linear import Linear
 
 from harness.engine_checkpoints import CHECKPOINTS, hf_greedy
 
@@ -41,7 +41,7 @@ def test_single_request_greedy_matches_transformers(name, checkpoints, hf_models
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_batched_greedy_matches_transformers(name, kernels, checkpoints, hf_models):
     eng = engine(checkpoints[name], cpu_kernels=kernels)
-    assert (eng.model.kernels is not None) == kernels
+    assert (eng.runner.kernels is not None) == kernels
     batch = prompts(1, 8)
     outs = eng.generate(batch, GREEDY)
     for prompt, out in zip(batch, outs):
@@ -80,7 +80,7 @@ def test_preemption_keeps_greedy_parity(llama_dir, hf_models, prefix_caching):
     # 24 blocks of 4 tokens = 96 slots for 6 requests needing ~35-50 tokens each: preemption must happen
     eng = engine(llama_dir, enable_prefix_caching=prefix_caching)
     eng = engine(llama_dir, enable_prefix_caching=prefix_caching,
-                 kv_cache_bytes=24 * eng.model.kv_block_bytes(4))
+                 kv_cache_bytes=24 * eng.runner.kv_block_bytes(4))
     assert eng.kv.pool.num_blocks == 24
     batch = prompts(4, 6, 20, 35)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -98,8 +98,8 @@ def test_logits_match_transformers_on_every_attention_path(name, long_chunk, ker
                                                            monkeypatch):
     monkeypatch.setattr(batch_module, "LONG_CHUNK", long_chunk)   # chunks >= LONG_CHUNK take the SDPA path
     eng = engine(checkpoints[name], cpu_kernels=kernels)
-    assert (eng.model.kernels is not None) == kernels
-    model, bs = eng.model, eng.kv.block_size
+    assert (eng.runner.kernels is not None) == kernels
+    model, bs = eng.runner, eng.kv.block_size
     prompt = prompts(5, 1, 30, 31)[0]
     with torch.inference_mode():
         ref = hf_models[name](torch.tensor([prompt])).logits[0].float()
@@ -135,7 +135,7 @@ def test_last_layer_on_sampled_rows_only_gives_the_full_logits(llama_dir, long_c
     # the full computation, in a step mixing decodes, a finishing prompt chunk and one that does not sample.
     monkeypatch.setattr(batch_module, "LONG_CHUNK", long_chunk)
     eng = engine(llama_dir, cpu_kernels=kernels)
-    model, bs = eng.model, eng.kv.block_size
+    model, bs = eng.runner, eng.kv.block_size
     seqs = prompts(11, 4, 40, 41)
     tables = [eng.kv.pool.allocate(-(-len(p) // bs)) for p in seqs]
     # fill each sequence's cache up to where this step starts (its first 30 tokens, or 10 for the last two)
@@ -161,7 +161,7 @@ def test_one_call_decoder_layers_give_the_layer_loops_bits(name, small_parts, ch
     # for a step mixing decodes, a prefix-cache-style chunk after cached tokens, a fresh prompt and a chunk
     # that stops mid-prompt, with the last layer trimmed to the sampled rows and with all rows kept.
     eng = engine(checkpoints[name])
-    model, bs = eng.model, eng.kv.block_size
+    model, bs = eng.runner, eng.kv.block_size
     assert model.decoder_call is not None
     if small_parts:       # several MLP row pieces, and one prefill-attention run per chunk
         model.decoder_call.shape.piece = 7

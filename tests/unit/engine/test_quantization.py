@@ -15,7 +15,7 @@ from tokenfleet_serving.engine import LLMEngine, SamplingParams, cpu_kernels, dt
 from tokenfleet_serving.engine.batch import SeqChunk, build_batch
 from tokenfleet_serving.engine.config import CheckpointError
 from tokenfleet_serving.engine.loader import load_checkpoint, load_config
-from tokenfleet_serving.engine.model import LlamaModel
+from tokenfleet_serving.engine.model_runner import ModelRunner
 from tokenfleet_serving.engine.quantization import Int8Linear, QuantizationError, parse_quantization, quantize_int8
 
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -130,12 +130,12 @@ def dequantized_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def linear_bytes(model: LlamaModel) -> int:
+def linear_bytes(model: ModelRunner) -> int:
     """Bytes of the decoder's linear weights, however each is kept."""
     total = 0
     for layer in model.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            lin = layer[name]
+            lin = layer.linears()[name]
             if isinstance(lin, Int8Linear):
                 total += lin.weight_bytes
             else:
@@ -144,7 +144,7 @@ def linear_bytes(model: LlamaModel) -> int:
     return total
 
 
-def step_logits(model: LlamaModel, bs: int = 4) -> torch.Tensor:
+def step_logits(model: ModelRunner, bs: int = 4) -> torch.Tensor:
     """Logits of every row of a step with two prompts, then of a step with their decodes and a chunk."""
     model.allocate_kv_cache(64, bs)
     a, b = list(range(5, 30)), list(range(40, 47))
@@ -162,10 +162,10 @@ def step_logits(model: LlamaModel, bs: int = 4) -> torch.Tensor:
 def test_int8_model_is_the_fp32_model_over_the_dequantized_weights(name, kernels, checkpoints):
     ckpt = load_checkpoint(checkpoints[name], with_tokenizer=False)
     cpu = torch.device("cpu")
-    int8 = LlamaModel(ckpt.config, ckpt.weights, torch.float32, cpu, 128, use_kernels=kernels, quantization="int8")
-    plain = LlamaModel(ckpt.config, dequantized_weights(ckpt.weights), torch.float32, cpu, 128, use_kernels=kernels)
-    assert all(isinstance(layer[n], Int8Linear) for layer in int8.layers for n in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(int8.lm_head, Int8Linear) and not ckpt.config.tie_word_embeddings
+    int8 = ModelRunner(ckpt.config, ckpt.weights, torch.float32, cpu, 128, use_kernels=kernels, quantization="int8")
+    plain = ModelRunner(ckpt.config, dequantized_weights(ckpt.weights), torch.float32, cpu, 128, use_kernels=kernels)
+    assert all(isinstance(layer.linears()[n], Int8Linear) for layer in int8.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(int8.lm_head.matmul, Int8Linear) and not ckpt.config.tie_word_embeddings
     got, want = step_logits(int8), step_logits(plain)
     assert (got - want).abs().max() < 1e-4
     assert linear_bytes(int8) < 0.3 * linear_bytes(plain)                        # a byte per weight plus the scales
@@ -175,7 +175,7 @@ def test_int8_model_is_the_fp32_model_over_the_dequantized_weights(name, kernels
 @pytest.mark.parametrize("name", ["llama", "llama3-tied", "llama-biases"])
 def test_int8_one_call_decoder_layers_give_the_layer_loops_bits(name, checkpoints):
     ckpt = load_checkpoint(checkpoints[name], with_tokenizer=False)
-    model = LlamaModel(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"), 128, quantization="int8")
+    model = ModelRunner(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"), 128, quantization="int8")
     results = {}
     for fused in (False, True):
         model.use_decoder_call = fused
@@ -189,11 +189,11 @@ def test_engine_serves_int8_and_reports_smaller_weights(llama_dir):
     fp32 = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=4 << 20)
     int8 = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=4 << 20, quantization="int8")
     assert int8.quantization == "int8"
-    assert (int8.model.decoder_call is not None) == (fp32.model.decoder_call is not None)
+    assert (int8.runner.decoder_call is not None) == (fp32.runner.decoder_call is not None)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     [out] = int8.generate([[5, 6, 7, 8]], params)
     assert len(out.new_token_ids) == 8 and out.finish_reason == "length"
-    assert int8.model.weight_bytes() < fp32.model.weight_bytes()
+    assert int8.runner.weight_bytes() < fp32.runner.weight_bytes()
 
 
 def test_quantization_names_are_checked():
@@ -233,13 +233,13 @@ def test_dtype_auto_measures_the_candidates_with_int8_weights(llama_dir, tmp_pat
     monkeypatch.setattr(dtype_choice, "PROBE_DECODES", 2)
     config = load_config(llama_dir)
     built = []
-    real = LlamaModel.__init__
+    real = ModelRunner.__init__
 
     def spy(self, *args, **kwargs):
         built.append(kwargs.get("quantization"))
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(LlamaModel, "__init__", spy)
+    monkeypatch.setattr(ModelRunner, "__init__", spy)
     choice = dtype_choice.choose_dtype("auto", torch.device("cpu"), config, True, "int8")
     assert built == ["int8", "int8"] and choice.how == "measured"
     assert set(choice.probe_tokens_per_second) == {"float32", "bfloat16"}

@@ -209,7 +209,7 @@ def test_verification_rows_have_the_bits_of_plain_decode_rows(llama_dir):
     """The engine verifies a request's last token and drafts as one-token decode rows, each attending its own
     prefix: their logits are bitwise those of decoding the same tokens one step at a time."""
     eng = engine(llama_dir)
-    model, bs = eng.model, eng.kv.block_size
+    model, bs = eng.runner, eng.kv.block_size
     tokens = repetitive_prompts(9, 1)[0]
     table = eng.kv.pool.allocate(-(-(len(tokens) + 8) // bs))
     model.forward(build_batch([SeqChunk(tokens[:-4], 0, table, True)], bs, model.device, model.compiled_prefill))
@@ -226,7 +226,7 @@ def exact_joint(eng: LLMEngine, prompt: list[int], params: SamplingParams, lengt
     from tokenfleet_serving.engine.rejection_sampler import target_probs
 
     req = Request("exact", prompt, params)
-    model, bs = eng.model, eng.kv.block_size
+    model, bs = eng.runner, eng.kv.block_size
     table = eng.kv.pool.allocate(-(-(len(prompt) + length) // bs))
     out: dict[tuple, float] = {}
 

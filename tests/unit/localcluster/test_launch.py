@@ -117,3 +117,19 @@ def test_a_capped_cpu_reaches_the_pods_as_it_would_on_a_node_of_that_cpu():
     (c,) = container_launches(p, "127.2.0.9", "127.10.0.1", {"PATH": "/bin", "TOKENFLEET_CPU_ISA": "avx2"},
                               "/tmp/scratch", PREFIX)
     assert c.env["TOKENFLEET_CPU_ISA"] == "avx2"
+
+
+def test_pod_dns_names_become_the_addresses_cluster_dns_would_answer():
+    from tokenfleet_dev.localcluster.launch import pod_dns_names
+
+    leader = "s-0.s.ns1.svc"
+    p = pod([{"name": "srv", "image": f"{PREFIX}:0.1",
+              "command": ["tokenfleet", "serve", "--master-addr", "$(LEADER)", f"--peer={leader}:29500",
+                          "--other", "s-0.s.ns1.svc.cluster.local", "--not-a-pod", "example.com"],
+              "env": [{"name": "LEADER", "value": leader}]}])
+    assert pod_dns_names(p) == {leader, "s-0.s.ns1.svc.cluster.local"}
+    [c] = launch(p, addresses={leader: "127.2.0.7"})
+    assert c.env["LEADER"] == "127.2.0.7"
+    assert list(c.argv[4:]) == ["--master-addr", "127.2.0.7", "--peer=127.2.0.7:29500",
+                                "--other", "s-0.s.ns1.svc.cluster.local",       # no record given: left as is
+                                "--not-a-pod", "example.com"]

@@ -176,7 +176,7 @@ def test_model_sources(model, volume, directory):
 
 def test_serving_container_has_probes_ports_and_resources():
     body, spec = build(resources={"requests": {"cpu": "4", "memory": "32Gi"}})
-    container = desired_children(body, spec).slices[0]["spec"]["template"]["spec"]["containers"][0]
+    container = desired_children(body, spec).slices[0]["spec"]["leaderTemplate"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == "/health"

@@ -50,7 +50,7 @@ def _env_names_read_by(path: Path) -> set[str]:
 
 def test_every_pod_variable_the_operator_sets_is_declared_and_read():
     spec = SliceSpec.model_validate(slice_body(checkpoint={"store": "pvc://ckpt/run1"}, topology="2x2")["spec"])
-    written = {e["name"] for e in member_env("s", spec, 0, 1, "pvc://ckpt/run1", "rev")}
+    written = {e["name"] for e in member_env("s", "ns", spec, 0, 1, "pvc://ckpt/run1", "rev")}
     assert written == {v.value for v in PodEnv}                         # nothing undeclared, nothing forgotten
     worker = REPO / "serving-image" / "tokenfleet_serving" / "batch" / "main.py"
     assert _env_names_read_by(worker) == {v.value for v in BATCH_WORKER}   # the bundled worker reads its share

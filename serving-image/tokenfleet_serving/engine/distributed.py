@@ -1,0 +1,231 @@
+"""Tensor parallelism across processes: the group of ranks, how a rank joins it, and what rank 0 sends.
+
+A replica of world size ``tp`` (``pp`` > 1 is not built: refused by ``ParallelConfig.check``) spans ``nnodes``
+hosts, each running ``world_size / nnodes`` ranks, one process per local accelerator (or per share of the
+CPU cores). Global rank = node_rank * local_ranks + local index. Rank 0 serves the API, schedules and
+samples; before each forward pass it broadcasts the step's batch, and every rank runs the forward pass over
+its shards (``model_runner.py``). Backend: gloo on CPU, NCCL on CUDA.
+
+Bounds: joining and every collective are bounded by ``timeout_s`` (a member that cannot reach the leader
+exits within it, naming its rank and the address it waited for); an idle rank 0 sends a keepalive every
+``timeout_s / 4`` so that the followers' wait for the next batch is bounded too. A rank that dies breaks the
+others' next collective (gloo: at once, the connection closes; otherwise at the timeout): ``RankFailure``.
+
+At join the ranks exchange the checkpoint identity (revision, or a fingerprint of the weight files, and the
+sha256 of config.json); any difference from rank 0's is refused on every rank, naming both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tokenfleet.distributed")
+
+
+class RankFailure(RuntimeError):
+    """A rank of the replica is gone, a collective timed out, or a rank could not join: the replica is broken
+    and must restart as a whole."""
+
+
+class ParallelConfigError(ValueError):
+    """Parallel flags that cannot work together; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> int:
+        return self.world_size // self.nnodes
+
+    def global_rank(self, local_index: int) -> int:
+        return self.node_rank * self.local_ranks + local_index
+
+    @property
+    def address(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    def check(self) -> None:
+        """Raise ParallelConfigError naming the flag at fault."""
+        if self.pipeline_parallel_size != 1:
+            raise ParallelConfigError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not implemented "
+                f"yet; use --tensor-parallel-size (tensor parallelism) across the replica's accelerators")
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise ParallelConfigError(f"{flag} must be >= 1, got {value}")
+        if self.world_size % self.nnodes:
+            raise ParallelConfigError(f"--nnodes {self.nnodes} does not divide the world size "
+                                      f"{self.world_size} (--tensor-parallel-size x --pipeline-parallel-size)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ParallelConfigError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes})")
+        if not 0 < self.master_port < 65536:
+            raise ParallelConfigError(f"--master-port must be in [1, 65535], got {self.master_port}")
+        if not self.timeout_s > 0:
+            raise ParallelConfigError(f"--distributed-timeout-seconds must be > 0, got {self.timeout_s}")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    """``obj`` (a batch: dataclasses, lists and tuples of tensors) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, list):
+        return [_to(x, device) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to(x, device) for x in obj)
+    return obj
+
+
+class ProcessGroup:
+    """This process's rank in the replica's ``torch.distributed`` group, with the collectives the layers and
+    the runner use. ``collective_seconds`` adds up the time spent in them (waiting for the others included)."""
+
+    def __init__(self, config: ParallelConfig, rank: int, device: torch.device):
+        self.config, self.rank, self.size, self.device = config, rank, config.world_size, device
+        self.collective_seconds = 0.0
+        self.last_message = time.monotonic()
+        self.broken: RankFailure | None = None
+
+    def _failed(self, what: str, error: BaseException) -> RankFailure:
+        self.broken = RankFailure(f"rank {self.rank}: {what} failed (group at {self.config.address}, "
+                                  f"{self.size} ranks, timeout {self.config.timeout_s:g}s): a rank is gone or "
+                                  f"stalled: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        return self.broken
+
+    def _run(self, what: str, fn, *args):
+        if self.broken is not None:
+            raise self.broken
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses of every kind
+            raise self._failed(what, e) from e
+        finally:
+            self.collective_seconds += time.perf_counter() - started
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._run("all-reduce", dist.all_reduce, x)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        self._run("gather", lambda: dist.gather(x, parts, dst=0))
+        return torch.cat(parts, dim=1) if parts is not None else None
+
+    def broadcast(self, message: Any = None) -> Any:
+        """Rank 0 sends ``message`` (pickled; tensors go as CPU tensors), every rank returns it."""
+        if self.rank == 0:
+            message = _to(message, torch.device("cpu")) if self.device.type != "cpu" else message
+            data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)),
+                                    dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        on = self.device
+        size = size.to(on)
+        self._run("broadcast", dist.broadcast, size, 0)
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        buf = data.to(on)
+        self._run("broadcast", dist.broadcast, buf, 0)
+        self.last_message = time.monotonic()
+        if self.rank == 0:
+            return message
+        got = pickle.loads(buf.cpu().numpy().tobytes())
+        return _to(got, self.device) if self.device.type != "cpu" else got
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._run("exchange", dist.all_gather_object, out, obj)
+        return out
+
+    def barrier(self) -> None:
+        self._run("barrier", dist.barrier)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already broken; nothing left to release
+                pass
+
+
+def join(config: ParallelConfig, rank: int, device: torch.device) -> ProcessGroup:
+    """Join the replica's group as ``rank``, within ``config.timeout_s``; RankFailure naming the rank and the
+    leader's address when it cannot."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # the join's own bound, whatever the store's retry loop does: a member that cannot reach the leader must
+    # not wait longer (the process exits; the pod restarts and the Slice condition carries this message)
+    done = threading.Event()
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    what = (f"rank {rank} of {config.world_size} could not join the replica's group at {config.address} "
+            f"within {config.timeout_s:g}s (--master-addr/--master-port; is the leader up and reachable?)")
+
+    def watchdog() -> None:
+        if not done.wait(config.timeout_s + 5):
+            from tokenfleet_serving.contract.termination import write_termination_message
+            log.error("%s", what)
+            write_termination_message(f"tokenfleet: {what}")
+            os._exit(1)
+
+    threading.Thread(target=watchdog, name="join-watchdog", daemon=True).start()
+    try:
+        dist.init_process_group(backend_for(device), init_method=f"tcp://{config.address}", rank=rank,
+                                world_size=config.world_size, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - store timeouts and connection errors have many types
+        raise RankFailure(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        done.set()
+    return ProcessGroup(config, rank, device)
+
+
+def checkpoint_identity(model_dir: str, revision: str | None = None) -> dict[str, str]:
+    """What every rank's checkpoint must share with rank 0's: the revision (given, or a fingerprint of the
+    weight files) and the sha256 of config.json."""
+    from .prefix_checkpoint import config_sha256, weights_fingerprint
+
+    return {"revision": revision or weights_fingerprint(model_dir), "config_sha256": config_sha256(model_dir)}
+
+
+def check_identities(group: ProcessGroup, identity: dict[str, str], model_dir: str) -> None:
+    """Exchange the identities; RankFailure (on every rank) naming both revisions where one differs from rank
+    0's."""
+    every = group.all_gather_object({**identity, "model": model_dir})
+    leader = every[0]
+    for rank, other in enumerate(every):
+        if rank and (other["revision"], other["config_sha256"]) != (leader["revision"], leader["config_sha256"]):
+            raise RankFailure(
+                f"rank {rank} holds another checkpoint than rank 0: revision {other['revision']} "
+                f"(config.json sha256 {other['config_sha256'][:12]}) at {other['model']} on rank {rank}, "
+                f"revision {leader['revision']} (config.json sha256 {leader['config_sha256'][:12]}) at "
+                f"{leader['model']} on rank 0; refusing to serve a mix of weights")

@@ -1,0 +1,165 @@
+"""A rank of a tensor-parallel replica other than rank 0: joins the group, loads its shard, runs forward passes.
+
+``python -m tokenfleet_serving.engine.worker --model DIR --rank R --tensor-parallel-size N ...`` (started by
+``LLMEngine`` for the leader host's other local ranks, and by ``tokenfleet serve --headless`` for every
+rank of a member host). What to build (dtype, quantization, KV budget, block size) comes from rank 0 at
+join (``RankSetup``), so every rank builds the same model; the checkpoint is this rank's own ``--model``,
+which must be the same checkpoint as rank 0's (checked at join).
+
+Exit codes: 0 when rank 0 released it; 1 when the group broke (a rank gone, a collective timed out, the join
+failed or the checkpoints differ), with the reason as one line in the termination log.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
+from .loader import load_checkpoint
+from .model_runner import ModelRunner
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("tokenfleet.worker")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What rank 0 decided, which every rank builds alike."""
+    dtype: torch.dtype
+    quantization: str
+    use_kernels: bool
+    max_model_len: int | None
+    kv_cache_bytes: int
+    block_size: int
+    load_format: str = "mmap"
+
+
+@dataclass
+class LoadedRank:
+    runner: ModelRunner
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    num_blocks: int
+    kv_cache_bytes: int
+
+
+def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: ProcessGroup | None = None,
+              with_tokenizer: bool = False, marks: dict | None = None) -> LoadedRank:
+    """Load this rank's share of the checkpoint and allocate its part of the KV cache."""
+    # int8 quantizes from the checkpoint's full precision (fp32 holds bf16 and fp16 exactly)
+    load_dtype = torch.float32 if setup.quantization == "int8" else setup.dtype
+    ckpt = load_checkpoint(model_dir, dtype=load_dtype, with_tokenizer=with_tokenizer, load_format=setup.load_format)
+    if marks is not None:
+        marks["weights_loaded"] = time.monotonic()
+    max_len = min(setup.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
+    runner = ModelRunner(ckpt.config, ckpt.weights, setup.dtype, device, max_len, use_kernels=setup.use_kernels,
+                         quantization=setup.quantization, group=group)
+    config, tokenizer = ckpt.config, ckpt.tokenizer
+    del ckpt
+    if setup.block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {setup.block_size}")
+    block_bytes = runner.kv_block_bytes(setup.block_size)
+    num_blocks = setup.kv_cache_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={setup.kv_cache_bytes} is smaller than one KV block ({block_bytes} bytes)")
+    pool_bytes = runner.allocate_kv_cache(num_blocks, setup.block_size)
+    return LoadedRank(runner, config, tokenizer, max_len, num_blocks, pool_bytes)
+
+
+def rank_threads(parallel: ParallelConfig, usable: int) -> int:
+    """Torch threads of one local CPU rank: its share of the cores this process may use."""
+    return max(1, usable // parallel.local_ranks)
+
+
+def spawn_local_ranks(parallel: ParallelConfig, model_dir: str, revision: str | None, local_indexes: range,
+                      threads: int, device_type: str) -> list[subprocess.Popen]:
+    """Start this host's ranks ``local_indexes`` as worker processes."""
+    procs = []
+    for i in local_indexes:
+        cmd = [sys.executable, "-m", "tokenfleet_serving.engine.worker", "--model", model_dir,
+               "--rank", str(parallel.global_rank(i)), "--local-index", str(i),
+               "--tensor-parallel-size", str(parallel.tensor_parallel_size), "--nnodes", str(parallel.nnodes),
+               "--node-rank", str(parallel.node_rank), "--master-addr", parallel.master_addr,
+               "--master-port", str(parallel.master_port), "--distributed-timeout-seconds", str(parallel.timeout_s),
+               "--threads", str(threads), "--device", device_type]
+        if revision:
+            cmd += ["--model-revision", revision]
+        procs.append(subprocess.Popen(cmd))
+    return procs
+
+
+def stop_ranks(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """Wait for the worker processes to exit (rank 0 released them), killing those that do not."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfleet_serving.contract.termination import write_termination_message
+
+    parallel = ParallelConfig(args.tensor_parallel_size, 1, args.nnodes, args.node_rank, args.master_addr,
+                              args.master_port, args.distributed_timeout_seconds)
+    device = torch.device("cuda", args.local_index) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    group = None
+    try:
+        identity = checkpoint_identity(args.model, args.model_revision)
+        group = join(parallel, args.rank, device)
+        check_identities(group, identity, args.model)
+        setup = group.broadcast()
+        loaded = load_rank(setup, args.model, device, group)
+        group.barrier()
+        log.info("rank %d ready: %d KV blocks, %d weight bytes", args.rank, loaded.num_blocks,
+                 loaded.runner.weight_bytes())
+        loaded.runner.follow()
+        return 0
+    except RankFailure as e:
+        log.error("%s", e)
+        write_termination_message(f"tokenfleet worker: {e}")
+        return 1
+    except Exception as e:  # noqa: BLE001 - any other failure also breaks the replica: say why, exit 1
+        log.exception("rank %d failed", args.rank)
+        write_termination_message(f"tokenfleet worker rank {args.rank}: {type(e).__name__}: {e}")
+        return 1
+    finally:
+        if group is not None:
+            group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenfleet_serving.engine.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--model-revision", default=None)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--local-index", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--log-level", default=os.environ.get("TOKENFLEET_LOG_LEVEL", "warning"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
