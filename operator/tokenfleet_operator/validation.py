@@ -6,7 +6,6 @@ reconciling the object until its spec changes.
 """
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceSe
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
+from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, argument_error, parse_serve_args
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem
         f"--quantization {spec.engine.quantization}")]
 
 
-# What the operator sets on `tokenfleet serve`'s command line (or its environment), by the parser's dest, and
+# What the operator sets on `tokenfleet serve`'s command line (or its environment), by ServeArgs field, and
 # the field to set instead: engine.extraArgs may add flags, never change these.
 OPERATOR_SERVE_FLAGS = {
     "model": ("--model", "spec.model"),
@@ -92,23 +92,11 @@ OPERATOR_SERVE_FLAGS = {
 }
 
 
-class _Refused(Exception):
-    pass
-
-
-def _serve_namespace(argv: list[str]) -> argparse.Namespace | None:
+def _serve_args(argv: list[str]) -> ServeArgs | None:
     """How `tokenfleet serve` reads argv (None when it would refuse it); no torch, no side effects."""
-    from tokenfleet_serving.server.main import build_parser
-
-    parser = build_parser()
-
-    def refuse(message: str):
-        raise _Refused(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
     try:
-        return parser.parse_args(argv)
-    except _Refused:
+        return parse_serve_args(argv)
+    except ServeArgsError:
         return None
 
 
@@ -123,7 +111,6 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     extra flag it would exit 2 on, or an extra flag that would change what the operator sets, is a problem
     here instead of a crash-looping pod."""
     from tokenfleet_operator.builders.inference_service import engine_args, model_storage
-    from tokenfleet_serving.server.main import argument_error
 
     if not runs_bundled_server(spec.image):
         return []
@@ -144,7 +131,7 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     error = argument_error(base + extra)
     if error is not None:
         return [Problem("InvalidEngineArgs", field, f"the bundled server would refuse them: {error}")]
-    before, after = _serve_namespace(base), _serve_namespace(base + extra)
+    before, after = _serve_args(base), _serve_args(base + extra)
     assert before is not None and after is not None, "argument_error accepted both"
     for dest, (flag, owner) in OPERATOR_SERVE_FLAGS.items():
         if getattr(before, dest, None) != getattr(after, dest, None):

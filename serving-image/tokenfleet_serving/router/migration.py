@@ -32,11 +32,8 @@ Pure bookkeeping here; the I/O is in ``app.py``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
-
-from tokenfleet_serving.server.protocol import error_body
 
 DEFAULT_MIGRATION_LIMIT = 3
 MIGRATION_WAIT_S = 10.0                  # at least this long a broken stream waits for a routable backend
@@ -51,22 +48,6 @@ LIMIT = "limit"
 NO_BACKEND = "no-backend"
 NOT_MIGRATABLE = "not-migratable"
 TARGET_ERROR = "target-error"
-
-DONE_EVENT = b"data: [DONE]\n\n"
-
-
-def sse_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def error_event(status: int, message: str) -> bytes:
-    """OpenAI's stream error: ``data: {"error": {...}}`` (the caller follows it with ``[DONE]``)."""
-    return sse_event(error_body(status, message))
-
-
-def is_done(event: bytes) -> bool:
-    return any(line.startswith(b"data:") and line[5:].strip() == b"[DONE]" for line in event.split(b"\n"))
-
 
 def migratable_error(obj: dict[str, Any]) -> int | None:
     """The code of an error event that means the backend is going away (its engine died or stalled, its drain

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
@@ -24,9 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
+from tokenfleet_serving.openai import protocol as P
+from tokenfleet_serving.openai.errors import ApiError, error_body
+from tokenfleet_serving.openai.prompt import prompt_token_ids
+from tokenfleet_serving.openai.sse import DONE_EVENT, sse_event
 
-from . import protocol as P
-from .chat import prompt_token_ids
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .metrics import RequestTimer, ServerMetrics
@@ -216,7 +217,7 @@ class Server:
     async def _errors_middleware(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except P.ApiError as e:
+        except ApiError as e:
             if request.path.startswith("/v1/") and request.method == "POST":
                 self.metrics.reject(e.status)
             resp = web.json_response(e.body(), status=e.status, headers=e.headers)
@@ -234,7 +235,7 @@ class Server:
                        413: f"request body exceeds {self.config.max_body_bytes} bytes"}.get(status, e.reason)
             if status == 413:
                 self.metrics.reject(413)
-            resp = web.json_response(P.error_body(status, message), status=status)
+            resp = web.json_response(error_body(status, message), status=status)
             if status == 413:
                 resp.force_close()
             return resp
@@ -242,7 +243,7 @@ class Server:
             raise
         except Exception as e:  # noqa: BLE001 - the server keeps serving; the client gets a 500 body
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return web.json_response(P.error_body(500, f"internal error: {type(e).__name__}"), status=500)
+            return web.json_response(error_body(500, f"internal error: {type(e).__name__}"), status=500)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
@@ -250,7 +251,7 @@ class Server:
         if key and request.path.startswith(GUARDED_PREFIXES):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise P.ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
         return await handler(request)
 
     # ---- probes, metrics, models -----------------------------------------------
@@ -283,10 +284,10 @@ class Server:
         They tell whether a guessed prompt was served, so only the router gets them: the holder of
         --api-key (the auth middleware checks it); without a key nobody does."""
         if not self.config.api_key:
-            raise P.ApiError(403, "the prefix-cache hashes are served only to the router: start the server with "
+            raise ApiError(403, "the prefix-cache hashes are served only to the router: start the server with "
                                   "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
-            raise P.ApiError(503, "model is loading")
+            raise ApiError(503, "model is loading")
         hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
         return web.json_response({"model": self.config.served_model_names[0],
                                   "block_size": self.engine_loop.snapshot.stats.block_size,
@@ -306,12 +307,12 @@ class Server:
 
     def _admit(self) -> None:
         if self.draining:
-            raise P.ApiError(503, "server is draining; send the request to another replica",
+            raise ApiError(503, "server is draining; send the request to another replica",
                              headers={"Retry-After": str(self.config.retry_after_s)})
         if self.engine_loop is not None and not self.engine_loop.alive:
-            raise P.ApiError(503, "engine is not running")
+            raise ApiError(503, "engine is not running")
         if not self.warm:
-            raise P.ApiError(503, "model is loading", headers={"Retry-After": str(self.config.retry_after_s)})
+            raise ApiError(503, "model is loading", headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         self._admit()
@@ -325,7 +326,7 @@ class Server:
         arrival = time.monotonic()
         req = parse(await self._read_json(request))
         if req.model not in self.config.served_model_names:
-            raise P.ApiError(404, f"model '{req.model}' does not exist; this server serves "
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
@@ -335,14 +336,14 @@ class Server:
         try:
             stream = await self.engine_loop.submit(rid, ids, params, req.continuation)
         except QueueFullError as e:
-            raise P.ApiError(429, f"server is at capacity: {e}",
+            raise ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
         except EngineDeadError as e:
-            raise P.ApiError(503, str(e)) from e
+            raise ApiError(503, str(e)) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
-            raise P.ApiError(400, str(e)) from e
+            raise ApiError(400, str(e)) from e
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)
-            raise P.ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
+            raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
         run = _Run(self, rid, req, RequestTimer(arrival))
         try:
             if req.stream:
@@ -415,9 +416,9 @@ class _Run:
                 if lp is not None:
                     lps.append(lp)
         except EngineDeadError as e:
-            raise P.ApiError(503, str(e)) from e
+            raise ApiError(503, str(e)) from e
         except RequestFailedError as e:
-            raise P.ApiError(500, str(e)) from e
+            raise ApiError(500, str(e)) from e
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
@@ -430,9 +431,8 @@ class _Run:
         await resp.prepare(request)
         chat = self.req.kind == "chat"
 
-        async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+        async def send(obj: dict) -> None:
+            await resp.write(sse_event(obj))
 
         with_ids = self.req.return_token_ids
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
@@ -454,10 +454,10 @@ class _Run:
             if self.req.include_usage:
                 await send(P.usage_chunk(self.rid, self.model, self.created, self.req.kind, self.usage))
         except EngineDeadError as e:
-            await send(P.error_body(503, str(e)))
+            await send(error_body(503, str(e)))
         except RequestFailedError as e:
-            await send(P.error_body(500, str(e)))
-        await send("[DONE]")
+            await send(error_body(500, str(e)))
+        await resp.write(DONE_EVENT)
         await resp.write_eof()
         return resp
 

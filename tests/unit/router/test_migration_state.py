@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from tokenfleet_serving.router.migration import LIMIT, NOT_MIGRATABLE, StreamState, error_event, failure_message, is_done, migratable_error
+from tokenfleet_serving.openai.sse import error_event, is_done
+from tokenfleet_serving.router.migration import LIMIT, NOT_MIGRATABLE, StreamState, failure_message, migratable_error
 
 
 def chunk(text, ids, finish=None, rid="cmpl-1", created=100, **choice):

@@ -1,8 +1,9 @@
-"""The OpenAI-compatible wire protocol: parse and validate requests, shape responses and errors.
+"""The OpenAI-compatible wire protocol: parse and validate requests, shape responses.
 
-Pure functions over decoded JSON: no I/O, no engine. Every rejection is an
-:class:`ApiError` that names the offending field, so a client learns what to fix.
-The server turns it into the OpenAI error body ``{"error": {...}}``.
+Pure functions over decoded JSON: no I/O, no engine. The server and the router
+both read requests with these functions, so they agree on what a request says.
+Every rejection is an :class:`~tokenfleet_serving.openai.errors.ApiError` that
+names the offending field.
 """
 from __future__ import annotations
 
@@ -16,47 +17,7 @@ from typing import Any
 from tokenfleet_serving.engine.continuation import Continuation
 from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
 
-# HTTP status -> OpenAI error "type"
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "request_timeout",
-    413: "request_too_large",
-    414: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
-
-class ApiError(Exception):
-    """A request the server refuses, with the HTTP status and the field at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None, close_connection: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers or {}
-        self.close_connection = close_connection     # answer, then close without reading the rest of the body
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
-
-
-def bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"'{param}' {why}", param)
-
+from .errors import ApiError, bad
 
 # ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from tokenfleet_serving.engine.tokenizer import Tokenizer
 
-from .protocol import ApiError, GenerationRequest
+from .errors import ApiError
+from .protocol import GenerationRequest
 
 
 def render_chat(tokenizer: Tokenizer | None, messages: list[dict]) -> list[int]:
