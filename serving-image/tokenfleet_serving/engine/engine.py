@@ -151,7 +151,8 @@ class LLMEngine:
             cont_.check(continuation, n, params.max_tokens, vocab, self.max_model_len)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                     params.skip_special_tokens)
         if continuation is not None:
             cont_.apply(req, continuation, vocab)
         with self.lock:

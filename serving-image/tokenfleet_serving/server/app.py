@@ -27,6 +27,8 @@ from tokenfleet_serving.openai import protocol as P
 from tokenfleet_serving.openai.errors import ApiError, error_body
 from tokenfleet_serving.openai.prompt import prompt_token_ids
 from tokenfleet_serving.openai.sse import DONE_EVENT, sse_event
+from tokenfleet_serving.openai.tool_calls import apply_tool_calls, finish_reason, tool_call_stream, tool_output_parser
+from tokenfleet_serving.openai.tool_parsers import ToolParser
 
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
@@ -37,6 +39,11 @@ from .warm_restart import LoadResult, PrefixCheckpointer, WarmRestartConfig
 log = logging.getLogger("tokenfleet.serve")
 
 GUARDED_PREFIXES = ("/v1/", "/cache/")   # need the API key when one is set; probes and /metrics do not
+
+
+# Decoding constrained to a JSON schema (tool_choice required or a named function) is the engine's; until it
+# has it, such requests are refused with a 400 naming tool_choice.
+CONSTRAINED_DECODING = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S       # the whole body, from the end of the headers
     engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
+    tool_call_parser: str | None = None                 # reads tool calls for tool_choice auto (openai/tool_parsers)
 
 
 class Server:
@@ -329,8 +337,14 @@ class Server:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
+        tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser, CONSTRAINED_DECODING)
+        if tool_parser is not None and req.continuation is not None:
+            raise ApiError(400, "a tool-call answer cannot be continued from another replica's output",
+                           "continuation")
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
+        if tool_parser is not None and tool_parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
+            req.sampling["skip_special_tokens"] = False      # the parser reads the call markers
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
@@ -344,7 +358,7 @@ class Server:
             raise ApiError(400, str(e)) from e
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)
             raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
-        run = _Run(self, rid, req, RequestTimer(arrival))
+        run = _Run(self, rid, req, RequestTimer(arrival), tool_parser)
         try:
             if req.stream:
                 return await run.stream(request, stream)
@@ -361,8 +375,10 @@ class RequestFailedError(RuntimeError):
 class _Run:
     """One request's journey from engine outputs to the HTTP response."""
 
-    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer):
+    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer,
+                 tool_parser: ToolParser | None = None):
         self.server, self.rid, self.req, self.timer = server, rid, req, timer
+        self.tool_parser = tool_parser
         self.model, self.created = req.model, P.now()
         self.finished = False
         self.saw_output = False
@@ -422,6 +438,8 @@ class _Run:
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
+        if self.tool_parser is not None and self.req.tools is not None:
+            apply_tool_calls(body["choices"][0], "".join(text), self.tool_parser, self.req.tools)
         if self.req.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
         return web.json_response(body)
@@ -435,6 +453,8 @@ class _Run:
             await resp.write(sse_event(obj))
 
         with_ids = self.req.return_token_ids
+        tools = self.req.tools
+        tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
             await send(P.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
         try:
@@ -442,6 +462,16 @@ class _Run:
                 if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
                     continue
                 lp = self._logprobs(out)
+                if tool_stream is not None:     # content and tool-call deltas; the last chunk says why it ended
+                    deltas = tool_stream.push(out.text_delta, final=out.finished) or [{}]
+                    reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
+                    for i, delta in enumerate(deltas):
+                        chunk = P.chat_chunk(self.rid, self.model, self.created, delta,
+                                             reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
+                        if with_ids:
+                            chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
+                        await send(chunk)
+                    continue
                 if chat:
                     delta = {"content": out.text_delta} if out.text_delta else {}
                     chunk = P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp)
