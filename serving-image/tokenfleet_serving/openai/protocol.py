@@ -18,6 +18,7 @@ from tokenfleet_serving.engine.continuation import Continuation
 from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
 
 from .errors import ApiError, bad
+from .tools import ToolChoice, parse_tools
 
 # ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
 
@@ -189,7 +190,10 @@ _SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperat
                     # another replica started (the router's stream migration)
                     "return_token_ids", "continuation"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                  "tools", "tool_choice", "parallel_tool_calls",
+                                  # vLLM's chat-template extras
+                                  "documents", "add_generation_prompt", "chat_template_kwargs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -208,6 +212,10 @@ class GenerationRequest:
     logprobs: int | None = None        # top-N alternatives; None: no logprobs
     return_token_ids: bool = False     # each choice (and streamed chunk) carries its output token ids
     continuation: Continuation | None = None   # output already delivered by another replica (engine/continuation.py)
+    tools: ToolChoice | None = None    # chat: tools, tool_choice and parallel_tool_calls (tools.py)
+    documents: list[dict] | None = None        # chat: retrieval documents, passed to the chat template
+    add_generation_prompt: bool = True         # chat: end the prompt with the assistant turn's header
+    chat_template_kwargs: dict = field(default_factory=dict)   # chat: more variables for the chat template
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -336,8 +344,37 @@ def _message_content(content: Any, where: str) -> str:
     raise bad(f"{where}.content", "must be a string or a list of text parts")
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, with each call's ``arguments`` (a JSON string on the wire) as the
+    object it encodes, which is what chat templates render (as vLLM and Hugging Face give it to them)."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls", "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(at, "must be {\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., "
+                          "\"arguments\": \"{...}\"}}")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", f"must be \"function\", got {call.get('type')!r}")
+        if not isinstance(call.get("id"), str):
+            raise bad(f"{at}.id", "is required and must be a string")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise bad(f"{at}.function.arguments", "must be a JSON object encoded as a string") from None
+        if not isinstance(arguments, dict):
+            raise bad(f"{at}.function.arguments", "must encode a JSON object")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
 def normalize_messages(messages: Any) -> list[dict]:
-    """Chat messages as ``[{"role", "content": str}]`` for the chat template."""
+    """Chat messages as the chat template sees them: ``{"role", "content": str}``, plus ``name``, an assistant's
+    ``tool_calls`` (arguments decoded) and a tool result's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "is required and must be a non-empty list")
     out = []
@@ -351,11 +388,45 @@ def normalize_messages(messages: Any) -> list[dict]:
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        msg = {"role": role, "content": _message_content(content, where)}
+        msg: dict[str, Any] = {"role": role, "content": _message_content(content, where)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad(f"{where}.tool_calls", "is only allowed in assistant messages")
+            if m["tool_calls"]:
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad(f"{where}.tool_call_id", "is required in a tool message and must be a string")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
+
+
+def _template_inputs(body: dict) -> tuple[list[dict] | None, bool, dict]:
+    """``documents``, ``add_generation_prompt`` and ``chat_template_kwargs``, for the chat template."""
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(
+                isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+                for d in documents):
+            raise bad("documents", "must be a list of objects of strings, such as {\"title\": ..., \"text\": ...}")
+    add = _bool(body, "add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "must be an object")
+    taken = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+    if taken:
+        raise bad(f"chat_template_kwargs.{taken[0]}", "is set by the server; use the request field of that name")
+    return documents, add is not False, kwargs
+
+
+# what the server gives a chat template itself; chat_template_kwargs may add variables, not replace these
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                                "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -372,8 +443,11 @@ def parse_chat(body: Any) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "requires 'logprobs' to be true")
     logprobs = (top or 0) if want_logprobs else None
+    tools = parse_tools(body)
+    documents, add_generation_prompt, template_kwargs = _template_inputs(body)
     return GenerationRequest("chat", model, None, None, messages, stream, include_usage,
-                             max_tokens, sampling, logprobs, *_extensions(body))
+                             max_tokens, sampling, logprobs, *_extensions(body), tools=tools, documents=documents,
+                             add_generation_prompt=add_generation_prompt, chat_template_kwargs=template_kwargs)
 
 
 def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: Limits) -> int:

@@ -86,7 +86,7 @@ BAD_CHAT = [
     (dict(GOOD_CHAT, logprobs=True, top_logprobs=99), "top_logprobs", "too many top_logprobs"),
     (dict(GOOD_CHAT, max_completion_tokens=-1), "max_completion_tokens", "negative max_completion_tokens"),
     (dict(GOOD_CHAT, prompt="x"), "prompt", "completion field on chat"),
-    (dict(GOOD_CHAT, tools=[{"type": "function"}]), "tools", "tools"),
+    (dict(GOOD_CHAT, tools=[{"type": "function"}]), "tools[0].function", "tool without a function"),
 ]
 
 
