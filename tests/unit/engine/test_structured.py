@@ -13,8 +13,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from tokenfleet_serving.engine import LLMEngine, SamplingParams
-from tokenfleet_serving.engine import logits_processors
+from tokenfleet_serving.engine import LLMEngine, SamplingParams, logits_processors
 from tokenfleet_serving.engine.continuation import Continuation
 from tokenfleet_serving.engine.request import Request
 from tokenfleet_serving.engine.speculative import SpeculativeConfig
