@@ -17,8 +17,9 @@ from typing import Any
 from tokenfleet_serving.engine.continuation import Continuation
 from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
 
+from . import sampling_fields
 from .errors import ApiError, bad
-from .tools import ToolChoice, parse_tools
+from .tools import ToolChoice, parse_tools, tool_call_output
 
 # ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
 
@@ -185,12 +186,12 @@ _SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperat
                     "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias",
                     # vLLM extras (extra_body in the openai client)
                     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                    "include_stop_str_in_output", "skip_special_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "structured_outputs",
                     # tokenfleet extensions: token ids in the response (vLLM's name), and continuing a request
                     # another replica started (the router's stream migration)
                     "return_token_ids", "continuation"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
                                   "tools", "tool_choice", "parallel_tool_calls",
                                   # vLLM's chat-template extras
                                   "documents", "add_generation_prompt", "chat_template_kwargs"}
@@ -212,6 +213,8 @@ class GenerationRequest:
     logprobs: int | None = None        # top-N alternatives; None: no logprobs
     return_token_ids: bool = False     # each choice (and streamed chunk) carries its output token ids
     continuation: Continuation | None = None   # output already delivered by another replica (engine/continuation.py)
+    n: int = 1                         # choices, each an engine request sharing the prompt's KV
+    continuous_usage_stats: bool = False   # stream_options: usage in every streamed chunk
     tools: ToolChoice | None = None    # chat: tools, tool_choice and parallel_tool_calls (tools.py)
     documents: list[dict] | None = None        # chat: retrieval documents, passed to the chat template
     add_generation_prompt: bool = True         # chat: end the prompt with the assistant turn's header
@@ -240,14 +243,15 @@ def _common(body: dict) -> tuple[str, bool, bool, dict]:
         if extra:
             raise bad(f"stream_options.{extra[0]}", "is not a supported parameter")
         include_usage = bool(_bool(opts, "include_usage"))
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise bad("n", f"must be 1 (one choice per request), got {n}")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias", "is not supported")
+    bias = sampling_fields.logit_bias(body)
     if body.get("user") is not None:
         _string(body, "user")
     sampling: dict[str, Any] = {}
+    if bias:
+        sampling["logit_bias"] = bias
+    for name, value in (("min_tokens", sampling_fields.min_tokens(body)), ("structured", sampling_fields.structured(body))):
+        if value is not None:
+            sampling[name] = value
     for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
                                   ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
                                   ("frequency_penalty", -2.0, 2.0, False),
@@ -324,11 +328,20 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise bad("suffix", "is not supported")
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
-        raise bad("best_of", f"must be 1, got {best_of}")
+        raise bad("best_of", f"is not supported: must be 1 (ask for n choices instead), got {best_of}")
     logprobs = _int(body, "logprobs", 0, 20)
     max_tokens = _int(body, "max_tokens", 1)
-    return GenerationRequest("completion", model, text, ids, None, stream, include_usage,
-                             16 if max_tokens is None else max_tokens, sampling, logprobs, *_extensions(body))
+    req = GenerationRequest("completion", model, text, ids, None, stream, include_usage,
+                            16 if max_tokens is None else max_tokens, sampling, logprobs, *_extensions(body))
+    return _with_choices(req, body)
+
+
+def _with_choices(req: GenerationRequest, body: dict) -> GenerationRequest:
+    req.n = sampling_fields.choices(body)
+    req.continuous_usage_stats = sampling_fields.continuous_usage_stats(body, req.stream)
+    if req.n > 1 and req.continuation is not None:
+        raise bad("n", "must be 1 when continuing a request (continuation)")
+    return req
 
 
 def _message_content(content: Any, where: str) -> str:
@@ -444,10 +457,16 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("top_logprobs", "requires 'logprobs' to be true")
     logprobs = (top or 0) if want_logprobs else None
     tools = parse_tools(body)
+    if tools is not None and tools.constrained:
+        if "structured" in sampling:
+            raise bad("tool_choice", f"{tools.mode!r} constrains the output to tool calls, which cannot be combined "
+                                     "with response_format or structured_outputs")
+        sampling["structured"] = tool_call_output(tools)
     documents, add_generation_prompt, template_kwargs = _template_inputs(body)
-    return GenerationRequest("chat", model, None, None, messages, stream, include_usage,
-                             max_tokens, sampling, logprobs, *_extensions(body), tools=tools, documents=documents,
-                             add_generation_prompt=add_generation_prompt, chat_template_kwargs=template_kwargs)
+    req = GenerationRequest("chat", model, None, None, messages, stream, include_usage,
+                            max_tokens, sampling, logprobs, *_extensions(body), tools=tools, documents=documents,
+                            add_generation_prompt=add_generation_prompt, chat_template_kwargs=template_kwargs)
+    return _with_choices(req, body)
 
 
 def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: Limits) -> int:
@@ -475,8 +494,9 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: L
 def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
-    except ValueError as e:   # the engine's own checks, already field-named
-        raise ApiError(400, str(e)) from e
+    except ValueError as e:   # the engine's own checks, already field-named ("sampling parameter 'x' ...")
+        named = re.search(r"sampling parameter '(\w+)'", str(e))
+        raise ApiError(400, str(e), named.group(1) if named else None) from e
 
 
 # ---- responses --------------------------------------------------------------

@@ -17,16 +17,12 @@ from .tool_parsers.constrained import constrained_parser, constrained_stream
 from .tools import NAMED, NONE, ToolChoice
 
 
-def tool_output_parser(choice: ToolChoice | None, parser_name: str | None,
-                       constrained_decoding: bool) -> ToolParser | None:
-    """How this request's answer is read (None: as plain content). ApiError 400 naming ``tool_choice`` when
-    the request asks for what this server cannot do."""
+def tool_output_parser(choice: ToolChoice | None, parser_name: str | None) -> ToolParser | None:
+    """How this request's answer is read (None: as plain content). ApiError 400 naming ``tool_choice`` for
+    ``auto`` on a server without a tool-call parser."""
     if choice is None or choice.mode == NONE:
         return None
     if choice.constrained:
-        if not constrained_decoding:
-            raise bad("tool_choice", f"{choice.mode!r} needs constrained decoding, which this server does not "
-                                     "have; use \"auto\" or \"none\"")
         return constrained_parser(choice)
     if parser_name is None:
         raise bad("tool_choice", "\"auto\" needs a server started with --tool-call-parser "

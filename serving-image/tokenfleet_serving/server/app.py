@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
+from tokenfleet_serving.engine.structured.spec import StructuredOutputError
 from tokenfleet_serving.openai import protocol as P
 from tokenfleet_serving.openai.errors import ApiError, error_body
 from tokenfleet_serving.openai.prompt import prompt_token_ids
@@ -39,11 +40,6 @@ from .warm_restart import LoadResult, PrefixCheckpointer, WarmRestartConfig
 log = logging.getLogger("tokenfleet.serve")
 
 GUARDED_PREFIXES = ("/v1/", "/cache/")   # need the API key when one is set; probes and /metrics do not
-
-
-# Decoding constrained to a JSON schema (tool_choice required or a named function) is the engine's; until it
-# has it, such requests are refused with a 400 naming tool_choice.
-CONSTRAINED_DECODING = False
 
 
 @dataclass(frozen=True)
@@ -337,7 +333,7 @@ class Server:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
-        tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser, CONSTRAINED_DECODING)
+        tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser)
         if tool_parser is not None and req.continuation is not None:
             raise ApiError(400, "a tool-call answer cannot be continued from another replica's output",
                            "continuation")
@@ -347,8 +343,37 @@ class Server:
             req.sampling["skip_special_tokens"] = False      # the parser reads the call markers
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # n > 1: one engine request per choice; the later ones take the prompt's KV from the first's
+        rids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
+        streams: list[asyncio.Queue] = []
         try:
-            stream = await self.engine_loop.submit(rid, ids, params, req.continuation)
+            for i, erid in enumerate(rids):
+                p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None))
+        except StructuredOutputError as e:     # a grammar that does not compile (in time): the field at fault
+            self._abort(rids[:len(streams)])
+            raise ApiError(400, e.message, e.param) from e
+        except BaseException:
+            self._abort(rids[:len(streams)])
+            raise
+        runs = [_Run(self, erid, req, RequestTimer(arrival), index=i, tool_parser=tool_parser)
+                for i, erid in enumerate(rids)]
+        try:
+            if req.stream:
+                return await _stream(request, runs, streams)
+            bodies = await asyncio.gather(*(run.collect(s) for run, s in zip(runs, streams)))
+            return web.json_response(_merge_choices(list(bodies)))
+        finally:
+            self._abort([run.rid for run in runs if not run.finished])  # client gone or we failed: free the KV
+
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.engine_loop.abort(rid)
+
+    async def _submit(self, rid: str, ids: list[int], params: SamplingParams, req: P.GenerationRequest,
+                      share_prompt_with: str | None) -> asyncio.Queue:
+        try:
+            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with)
         except QueueFullError as e:
             raise ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
@@ -356,16 +381,10 @@ class Server:
             raise ApiError(503, str(e)) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
             raise ApiError(400, str(e)) from e
+        except StructuredOutputError:
+            raise
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)
             raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
-        run = _Run(self, rid, req, RequestTimer(arrival), tool_parser)
-        try:
-            if req.stream:
-                return await run.stream(request, stream)
-            return await run.collect(stream)
-        finally:
-            if not run.finished:
-                self.engine_loop.abort(rid)     # client went away or we failed: free the KV blocks
 
 
 class RequestFailedError(RuntimeError):
@@ -375,10 +394,12 @@ class RequestFailedError(RuntimeError):
 class _Run:
     """One request's journey from engine outputs to the HTTP response."""
 
-    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer,
+    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer, index: int = 0,
                  tool_parser: ToolParser | None = None):
         self.server, self.rid, self.req, self.timer = server, rid, req, timer
-        self.tool_parser = tool_parser
+        self.index = index                    # the choice this run answers (n > 1)
+        self.tool_parser = tool_parser        # reads tool calls out of the text (openai/tool_calls.py)
+        self.running_usage: dict | None = None     # usage so far (stream_options.continuous_usage_stats)
         self.model, self.created = req.model, P.now()
         self.finished = False
         self.saw_output = False
@@ -399,6 +420,7 @@ class _Run:
                 self.saw_output = True
                 m.observe_first_output(self.timer, out.num_prompt_tokens, out.num_cached_tokens)
             m.observe_gaps(self.timer.gaps[gaps_before:])
+            self.running_usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.finish_reason == "error":
                 self.finished = True
                 raise RequestFailedError(f"generation failed for this request: {out.error}")
@@ -421,7 +443,7 @@ class _Run:
                  for lp in out.logprobs]
         return P.chat_logprobs(infos) if self.req.kind == "chat" else P.completion_logprobs(infos)
 
-    async def collect(self, stream: asyncio.Queue) -> web.Response:
+    async def collect(self, stream: asyncio.Queue) -> dict:
         text, reason, lps, token_ids = [], None, [], []
         try:
             async for out in self.outputs(stream):
@@ -442,54 +464,97 @@ class _Run:
             apply_tool_calls(body["choices"][0], "".join(text), self.tool_parser, self.req.tools)
         if self.req.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
-        return web.json_response(body)
+        return body
 
-    async def stream(self, request: web.Request, stream: asyncio.Queue) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+    async def stream(self, send: Callable, stream: asyncio.Queue, response_id: str) -> None:
+        """This choice's chunks, through ``send`` (shared by the n choices of one response)."""
         chat = self.req.kind == "chat"
 
-        async def send(obj: dict) -> None:
-            await resp.write(sse_event(obj))
+        async def send_chunk(chunk: dict) -> None:
+            chunk["choices"][0]["index"] = self.index
+            if self.req.continuous_usage_stats and self.req.include_usage:
+                chunk["usage"] = self.running_usage
+            await send(chunk)
 
         with_ids = self.req.return_token_ids
         tools = self.req.tools
         tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
-            await send(P.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
-        try:
-            async for out in self.outputs(stream):
-                if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
-                    continue
-                lp = self._logprobs(out)
-                if tool_stream is not None:     # content and tool-call deltas; the last chunk says why it ended
-                    deltas = tool_stream.push(out.text_delta, final=out.finished) or [{}]
-                    reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
-                    for i, delta in enumerate(deltas):
-                        chunk = P.chat_chunk(self.rid, self.model, self.created, delta,
-                                             reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
-                        if with_ids:
-                            chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
-                        await send(chunk)
-                    continue
-                if chat:
-                    delta = {"content": out.text_delta} if out.text_delta else {}
-                    chunk = P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp)
-                else:
-                    chunk = P.completion_chunk(self.rid, self.model, self.created, out.text_delta,
-                                               out.finish_reason, lp)
-                if with_ids:
-                    chunk["choices"][0]["token_ids"] = out.new_token_ids
-                await send(chunk)
-            if self.req.include_usage:
-                await send(P.usage_chunk(self.rid, self.model, self.created, self.req.kind, self.usage))
-        except EngineDeadError as e:
-            await send(error_body(503, str(e)))
-        except RequestFailedError as e:
-            await send(error_body(500, str(e)))
-        await resp.write(DONE_EVENT)
-        await resp.write_eof()
-        return resp
+            await send_chunk(P.chat_chunk(response_id, self.model, self.created, {"role": "assistant", "content": ""},
+                                          None))
+        async for out in self.outputs(stream):
+            if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
+                continue
+            lp = self._logprobs(out)
+            if tool_stream is not None:     # content and tool-call deltas; the last chunk says why it ended
+                deltas = tool_stream.push(out.text_delta, final=out.finished) or [{}]
+                reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
+                for i, delta in enumerate(deltas):
+                    chunk = P.chat_chunk(response_id, self.model, self.created, delta,
+                                         reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
+                    if with_ids:
+                        chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
+                    await send_chunk(chunk)
+                continue
+            if chat:
+                delta = {"content": out.text_delta} if out.text_delta else {}
+                chunk = P.chat_chunk(response_id, self.model, self.created, delta, out.finish_reason, lp)
+            else:
+                chunk = P.completion_chunk(response_id, self.model, self.created, out.text_delta,
+                                           out.finish_reason, lp)
+            if with_ids:
+                chunk["choices"][0]["token_ids"] = out.new_token_ids
+            await send_chunk(chunk)
+
+
+def _response_id(runs: list[_Run]) -> str:
+    return runs[0].rid if len(runs) == 1 else runs[0].rid.rsplit("-", 1)[0]
+
+
+async def _stream(request: web.Request, runs: list[_Run], streams: list[asyncio.Queue]) -> web.StreamResponse:
+    """One SSE response for the n choices: their chunks interleave, each naming its choice ``index``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    lock = asyncio.Lock()
+    rid, req = _response_id(runs), runs[0].req
+
+    async def send(obj: dict) -> None:
+        async with lock:
+            await resp.write(sse_event(obj))
+
+    try:
+        await asyncio.gather(*(run.stream(send, s, rid) for run, s in zip(runs, streams)))
+        if req.include_usage:
+            await send(P.usage_chunk(rid, runs[0].model, runs[0].created, req.kind, _total_usage(runs)))
+    except EngineDeadError as e:
+        await send(error_body(503, str(e)))
+    except RequestFailedError as e:
+        await send(error_body(500, str(e)))
+    await resp.write(DONE_EVENT)
+    await resp.write_eof()
+    return resp
+
+
+def _total_usage(runs: list[_Run]) -> dict | None:
+    """The prompt once (its KV is shared), the completion tokens of every choice."""
+    usages = [r.usage for r in runs]
+    if any(u is None for u in usages):
+        return None
+    total = dict(usages[0])                                   # type: ignore[arg-type]
+    total["completion_tokens"] = sum(u["completion_tokens"] for u in usages)     # type: ignore[index]
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+def _merge_choices(bodies: list[dict]) -> dict:
+    if len(bodies) == 1:
+        return bodies[0]
+    body = dict(bodies[0], id=bodies[0]["id"].rsplit("-", 1)[0])
+    body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    usages = [b["usage"] for b in bodies]
+    body["usage"] = dict(usages[0], completion_tokens=sum(u["completion_tokens"] for u in usages))
+    body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    return body
 
 
 def _merge_logprobs(parts: list[dict], kind: str) -> dict | None:
