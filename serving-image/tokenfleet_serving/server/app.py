@@ -486,8 +486,10 @@ class _Run:
             if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
                 continue
             lp = self._logprobs(out)
-            if tool_stream is not None:     # content and tool-call deltas; the last chunk says why it ended
-                deltas = tool_stream.push(out.text_delta, final=out.finished) or [{}]
+            if tool_stream is not None:     # content and tool-call deltas, then (as OpenAI) why it ended, alone
+                deltas = tool_stream.push(out.text_delta, final=out.finished)
+                if out.finished or not deltas:
+                    deltas.append({})
                 reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
                 for i, delta in enumerate(deltas):
                     chunk = P.chat_chunk(response_id, self.model, self.created, delta,
