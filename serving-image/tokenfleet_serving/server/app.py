@@ -334,9 +334,6 @@ class Server:
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
         tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser)
-        if tool_parser is not None and req.continuation is not None:
-            raise ApiError(400, "a tool-call answer cannot be continued from another replica's output",
-                           "continuation")
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
         if tool_parser is not None and tool_parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
@@ -479,6 +476,9 @@ class _Run:
         with_ids = self.req.return_token_ids
         tools = self.req.tools
         tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
+        if tool_stream is not None and self.req.continuation is not None:
+            # the client has what another replica's stream made of this text: take it in again, silently
+            tool_stream.push(self.req.continuation.delivered_text)
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
             await send_chunk(P.chat_chunk(response_id, self.model, self.created, {"role": "assistant", "content": ""},
                                           None))
@@ -494,8 +494,9 @@ class _Run:
                 for i, delta in enumerate(deltas):
                     chunk = P.chat_chunk(response_id, self.model, self.created, delta,
                                          reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
-                    if with_ids:
+                    if with_ids:      # and the text they decode to, which a continuation needs (router/migration.py)
                         chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
+                        chunk["choices"][0]["output_text"] = out.text_delta if i == 0 else ""
                     await send_chunk(chunk)
                 continue
             if chat:

@@ -111,3 +111,21 @@ def test_a_named_call_streams_its_name_then_its_arguments():
     assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
     assert replay(constrained_stream(choice), json.dumps(W), [2, 9]) == ("", [("get_weather", W)])
     assert calls_of(constrained_parser(choice).parse(json.dumps(W))[1]) == [("get_weather", W)]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_a_stream_continued_by_another_stream_says_the_same(name, text, content, calls):
+    """Stream migration: a second server takes in the text the first one streamed (silently) and streams the
+    rest; what the client assembles from both is the whole answer."""
+    for k in range(0, len(text) + 1, max(1, len(text) // 9)):
+        first = ToolCallStream(TOOL_PARSERS[name]())
+        deltas = first.push(text[:k])
+        second = ToolCallStream(TOOL_PARSERS[name]())
+        second.push(text[:k])
+        deltas += second.push(text[k:], final=True)
+        got_content = "".join(d.get("content", "") for d in deltas)
+        got_calls = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
+                     for d in deltas for tc in d.get("tool_calls", [])]
+        assert got_calls == calls and [tc["index"] for d in deltas for tc in d.get("tool_calls", [])] == \
+            list(range(len(calls)))
+        assert got_content.strip() == (content or "").strip()
