@@ -24,6 +24,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "levers"): ("tokenfleet_serving.bench.levers", "main",
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
     ("bench", "startup"): ("tokenfleet_serving.bench.startup", "main", "replica start-up phases, cold and warm"),
+    ("bench", "structured"): ("tokenfleet_serving.bench.structured", "main",
+                             "structured outputs: TPOT with a JSON schema vs free, grammar compile cold and cached"),
 }
 
 # Other packages register subcommands here: each entry point names a table shaped like COMMANDS.

@@ -494,9 +494,14 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: L
 def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
-    except ValueError as e:   # the engine's own checks, already field-named ("sampling parameter 'x' ...")
-        named = re.search(r"sampling parameter '(\w+)'", str(e))
-        raise ApiError(400, str(e), named.group(1) if named else None) from e
+    except ValueError as e:   # the engine's own checks, already field-named
+        raise ApiError(400, str(e), named_param(str(e))) from e
+
+
+def named_param(engine_message: str) -> str | None:
+    """The field an engine refusal names ("sampling parameter 'x' ..."), for the error's ``param``."""
+    named = re.search(r"sampling parameter '(\w+)'", engine_message)
+    return named.group(1) if named else None
 
 
 # ---- responses --------------------------------------------------------------

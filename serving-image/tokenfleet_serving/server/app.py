@@ -355,6 +355,8 @@ class Server:
             raise
         runs = [_Run(self, erid, req, RequestTimer(arrival), index=i, tool_parser=tool_parser)
                 for i, erid in enumerate(rids)]
+        for run in runs:
+            run.running_usage = P.usage(len(ids), 0, 0)
         try:
             if req.stream:
                 return await _stream(request, runs, streams)
@@ -376,10 +378,10 @@ class Server:
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from e
-        except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
-            raise ApiError(400, str(e)) from e
         except StructuredOutputError:
             raise
+        except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
+            raise ApiError(400, str(e), P.named_param(str(e))) from e
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)
             raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
 _executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def executor() -> LLExecutor:
@@ -30,13 +30,16 @@ def fill_bitmask(matchers: list[LLMatcher], vocab_size: int) -> torch.Tensor:
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] bool from a bitmask."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """[rows, vocab_size] bool from a bitmask (bit j of word w: token 32*w + j; words little-endian)."""
+    bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).bool()
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit of ``rows`` whose token the bitmask forbids."""
-    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
