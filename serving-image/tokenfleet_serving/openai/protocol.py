@@ -377,7 +377,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad(f"{at}.function.arguments", "must be a JSON object encoded as a string") from None
         if not isinstance(arguments, dict):
             raise bad(f"{at}.function.arguments", "must encode a JSON object")

@@ -129,3 +129,12 @@ def test_a_stream_continued_by_another_stream_says_the_same(name, text, content,
         assert got_calls == calls and [tc["index"] for d in deltas for tc in d.get("tool_calls", [])] == \
             list(range(len(calls)))
         assert got_content.strip() == (content or "").strip()
+
+
+def test_json_nested_past_the_stack_is_content_not_an_error():
+    deep = "[" * 100_000 + "]" * 100_000
+    for name in TOOL_PARSERS:
+        assert TOOL_PARSERS[name]().parse(deep)[1] == []
+    assert TOOL_PARSERS["hermes"]().parse(f"<tool_call>{deep}</tool_call>")[1] == []
+    choice = parse_tools({**TOOLS, "tool_choice": "required"})
+    assert constrained_parser(choice).parse(deep)[1] == []

@@ -48,11 +48,14 @@ def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "pa
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
             return None
     if not isinstance(args, dict):
         return None
-    encoded = json.dumps(args, ensure_ascii=False)
+    try:
+        encoded = json.dumps(args, ensure_ascii=False)
+    except RecursionError:
+        return None
     return ToolCall(obj["name"], encoded) if make_id is None else ToolCall(obj["name"], encoded, make_id())
 
 
@@ -75,7 +78,7 @@ def json_values(text: str) -> list[Any] | None:
             return values
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
             return None
         values.append(value)
 

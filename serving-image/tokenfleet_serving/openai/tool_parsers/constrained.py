@@ -27,7 +27,7 @@ class RequiredCallsParser(ToolParser):
             return [], start
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
             items = None
         calls = [call_from_json(i, ("parameters", "arguments")) for i in items] if isinstance(items, list) else []
         if calls and all(c is not None for c in calls):
@@ -48,7 +48,7 @@ class NamedCallParser(ToolParser):
             return [], start
         try:
             args = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
             args = None
         if isinstance(args, dict):
             return [ToolCall(self.function, json.dumps(args, ensure_ascii=False))], len(text)

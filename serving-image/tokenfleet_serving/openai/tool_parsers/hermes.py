@@ -33,7 +33,7 @@ class HermesToolParser(ToolParser):
             stop = end + len(CLOSE) if end >= 0 else len(text)
             try:
                 call = call_from_json(json.loads(body))
-            except ValueError:
+            except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
                 call = None
             segments.append(call if call is not None else text[opened:stop])
             i = stop
