@@ -9,16 +9,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-# subcommand path -> (module, function, one-line help). Every target takes argv.
+# subcommand path -> (module, function, one-line help). Every target takes argv. These are the product's; the
+# dev package (the local control plane, the demo, benchmarks on the plane) adds its own through the entry-point
+# group below, so where it is not installed (the images) they do not exist, and nothing here imports it.
 COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
-    ("cluster", "up"): ("tokenfleet_dev.localcluster.cli", "up", "start a local control plane with KWOK nodes"),
-    ("cluster", "down"): ("tokenfleet_dev.localcluster.cli", "down", "stop a local control plane started by 'cluster up'"),
-    ("cluster", "kubeconfig-for"): ("tokenfleet_dev.localcluster.cli", "kubeconfig_for",
-                                   "write a kubeconfig for a ServiceAccount (TokenRequest)"),
-    ("demo",): ("tokenfleet_dev.demo", "main", "the end-to-end local demo"),
     ("crds",): ("tokenfleet_operator.crdgen", "main", "write crds/*.yaml from the pydantic models (--check for drift)"),
-    ("monitoring",): ("tokenfleet_dev.monitoring.render", "main",
-                      "write manifests/monitoring/ (dashboards, alert rules, scrape configs) from code (--check for drift)"),
     ("operator",): ("tokenfleet_operator.main", "main",
                     "run the operator: reconcile InferenceServices and Slices, gang-schedule Slices"),
     ("serve",): ("tokenfleet_serving.server.main", "main", "serve a model over the OpenAI-compatible API"),
@@ -30,20 +25,43 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),
     ("bench", "levers"): ("tokenfleet_serving.bench.levers", "main",
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
-    ("bench", "placement"): ("tokenfleet_dev.bench.placement", "main", "gang placement benchmark"),
-    ("bench", "operator"): ("tokenfleet_dev.bench.operator", "main",
-                            "the operator at scale: N InferenceServices on KWOK nodes, time to Ready, CPU, RSS, API calls"),
     ("bench", "startup"): ("tokenfleet_serving.bench.startup", "main", "replica start-up phases, cold and warm"),
-    ("bench", "recovery"): ("tokenfleet_dev.bench.recovery", "main",
-                            "chaos under streamed load on the local plane: failed requests, migration, recovery"),
-    ("bench", "fleet"): ("tokenfleet_dev.bench.fleet", "main",
-                         "autoscaling vs static replicas and W4 routing on the local plane"),
+    ("bench", "structured"): ("tokenfleet_serving.bench.structured", "main",
+                             "structured outputs: TPOT with a JSON schema vs free, grammar compile cold and cached"),
 }
 
+# Other packages register subcommands here: each entry point names a table shaped like COMMANDS.
+ENTRY_POINT_GROUP = "tokenfleet.commands"
+# The dev package's table, for a checkout whose dev/ is on the path but not installed with the entry point.
+DEV_REGISTRY = "tokenfleet_dev.commands"
 
-def usage() -> str:
+
+def registered_commands() -> dict[tuple[str, ...], tuple[str, str, str]]:
+    """The subcommands other installed packages register (the entry-point group), else the dev package's own
+    table when it is importable. A registered package that is absent (an image built without it) adds none."""
+    from importlib.metadata import entry_points
+
+    tables = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            tables.append(point.load())
+        except ModuleNotFoundError:
+            continue
+    if not tables:
+        try:
+            tables.append(importlib.import_module(DEV_REGISTRY).COMMANDS)
+        except ModuleNotFoundError:
+            pass
+    return {path: target for table in tables for path, target in table.items()}
+
+
+def all_commands() -> dict[tuple[str, ...], tuple[str, str, str]]:
+    return {**COMMANDS, **registered_commands()}
+
+
+def usage(commands: dict[tuple[str, ...], tuple[str, str, str]]) -> str:
     lines = ["usage: tokenfleet COMMAND [ARGS...]", "", "commands:"]
-    for path, (_, _, text) in COMMANDS.items():
+    for path, (_, _, text) in sorted(commands.items()):
         lines.append(f"  {' '.join(path):<24} {text}")
     return "\n".join(lines)
 
@@ -53,13 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     # TOKENFLEET_CPU_ISA caps torch's kernel choice too, which only works before torch loads
     from tokenfleet_serving.engine.cpu_features import apply_torch_env
     apply_torch_env()
+    commands = all_commands()
     for length in (2, 1):
         key = tuple(argv[:length])
-        if key in COMMANDS:
-            module, func, _ = COMMANDS[key]
+        if key in commands:
+            module, func, _ = commands[key]
             result = getattr(importlib.import_module(module), func)(argv[length:])
             return int(result or 0)
-    print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    print(usage(commands), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 
 

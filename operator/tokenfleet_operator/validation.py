@@ -6,7 +6,6 @@ reconciling the object until its spec changes.
 """
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,8 @@ from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.parallelism import ModelShape, SizeError, parallel_sizes, split_errors
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
+from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
+from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, argument_error, parse_serve_args
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,17 @@ def runs_bundled_server(image: str) -> bool:
 
 
 def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem]:
-    """Quantizations the bundled server does not implement yet; without this check its pods would exit on the
-    flag (another image may implement them)."""
-    if not runs_bundled_server(spec.image) or spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
+    """Quantizations and tool-call parsers the bundled server does not implement; without this check its pods
+    would exit on the flag (another image may implement them)."""
+    if not runs_bundled_server(spec.image):
+        return []
+    parser = spec.engine.tool_call_parser
+    if parser is not None and parser not in TOOL_PARSERS:
+        return [Problem(
+            "NotInServingImage", "spec.engine.toolCallParser",
+            f"the bundled serving image {spec.image} has no tool-call parser {parser!r}; it has "
+            f"{', '.join(sorted(TOOL_PARSERS))}, or set spec.image to a server that has it")]
+    if spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
         return []
     return [Problem(
         "NotInServingImage", "spec.engine.quantization",
@@ -75,7 +84,7 @@ def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem
         f"--quantization {spec.engine.quantization}")]
 
 
-# What the operator sets on `tokenfleet serve`'s command line (or its environment), by the parser's dest, and
+# What the operator sets on `tokenfleet serve`'s command line (or its environment), by ServeArgs field, and
 # the field to set instead: engine.extraArgs may add flags, never change these.
 OPERATOR_SERVE_FLAGS = {
     "model": ("--model", "spec.model"),
@@ -101,26 +110,15 @@ OPERATOR_SERVE_FLAGS = {
     "master_addr": ("--master-addr", "the operator (the leader's name in its Slice's headless Service)"),
     "master_port": ("--master-port", "the operator"),
     "headless": ("--headless", "the operator (every member but the leader)"),
+    "tool_call_parser": ("--tool-call-parser", "spec.engine.toolCallParser"),
 }
 
 
-class _Refused(Exception):
-    pass
-
-
-def _serve_namespace(argv: list[str]) -> argparse.Namespace | None:
+def _serve_args(argv: list[str]) -> ServeArgs | None:
     """How `tokenfleet serve` reads argv (None when it would refuse it); no torch, no side effects."""
-    from tokenfleet_serving.server.main import build_parser
-
-    parser = build_parser()
-
-    def refuse(message: str):
-        raise _Refused(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
     try:
-        return parser.parse_args(argv)
-    except _Refused:
+        return parse_serve_args(argv)
+    except ServeArgsError:
         return None
 
 
@@ -135,7 +133,6 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     extra flag it would exit 2 on, or an extra flag that would change what the operator sets, is a problem
     here instead of a crash-looping pod."""
     from tokenfleet_operator.builders.inference_service import engine_args, model_storage
-    from tokenfleet_serving.server.main import argument_error
 
     if not runs_bundled_server(spec.image):
         return []
@@ -156,7 +153,7 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     error = argument_error(base + extra)
     if error is not None:
         return [Problem("InvalidEngineArgs", field, f"the bundled server would refuse them: {error}")]
-    before, after = _serve_namespace(base), _serve_namespace(base + extra)
+    before, after = _serve_args(base), _serve_args(base + extra)
     assert before is not None and after is not None, "argument_error accepted both"
     for dest, (flag, owner) in OPERATOR_SERVE_FLAGS.items():
         if getattr(before, dest, None) != getattr(after, dest, None):

@@ -54,7 +54,7 @@ def store_dir(args_dir: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenfleet_serving.server.main import positive_int
+    from tokenfleet_serving.serve_args import positive_int
     p = argparse.ArgumentParser(prog="tokenfleet batch", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--input", required=True, help="JSON lines, one item each")

@@ -29,7 +29,7 @@ from ..engine.config import ModelConfig
 from ..engine.dtype_choice import NAMES, cpu_candidates
 from ..engine.engine import usable_cpus
 from ..engine.loader import load_config
-from ..server.main import positive_int
+from ..serve_args import positive_int
 
 REFERENCE = dict(architecture="llama", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                  intermediate_size=1376, vocab_size=8192, dtype="float32")

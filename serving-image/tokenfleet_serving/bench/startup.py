@@ -20,8 +20,10 @@ Scenarios (each ``--repeats`` times, interleaved; medians reported):
 ``before_after`` holds the ratios read / mmap of weights loaded and kernels ready, and of the peak anonymous
 memory; ``prefix_checkpoint`` the first request's TTFT without and with the checkpoint.
 
-With ``--plane`` (default) it also measures, on the local control plane, how long a replacement serving pod
-takes to be Ready after its replica's server is SIGKILLed (``replacement_pod_ready_s``).
+Where the dev package is installed, ``tokenfleet bench startup`` is its ``tokenfleet_dev.bench.startup_plane``,
+which also measures, on the local control plane (``--plane``, its default), how long a replacement serving pod
+takes to be Ready after its replica's server is SIGKILLed (``replacement_pod_ready_s``). Without it (the
+serving image) ``--plane`` is refused.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,69 +165,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def replacement_times(kills: int, workdir: Path) -> list[float]:
-    """On a fresh local plane: a one-replica InferenceService of a tiny model; its server is SIGKILLed
-    ``kills`` times; each time, the seconds until a new serving pod is Ready."""
-    from tokenfleet_dev.bench import recovery as R
-    from tokenfleet_dev.localcluster.binaries import REPO_ROOT
-    from tokenfleet_dev.localcluster.nodes import NodePool
-    from tokenfleet_dev.localcluster.plane import LocalCluster
-    from tokenfleet_dev.localcluster.plane import free_port as port
-    from tokenfleet_serving.testing_models import create_random_checkpoint
-
-    plane = LocalCluster(workdir / "plane", pools=[NodePool(count=2, accelerator="gpu", per_node=8)],
-                         tie_to_parent=True, log=R.log)
-    times: list[float] = []
-    operator = None
-    try:
-        plane.up()
-        plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "manifests" / "base"))
-        for crd in ("inferenceservices", "slices", "slicequeues"):
-            plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}.tokenfleet.dev", "--timeout=60s")
-        plane.kubectl("scale", "deployment", "-n", R.OPERATOR_NAMESPACE, "--all", "--replicas=0")
-        plane.kubectl("create", "namespace", "bench")
-        model = create_random_checkpoint(workdir / "tiny", num_layers=2, hidden_size=128, num_heads=4,
-                                         num_kv_heads=2, intermediate_size=256, vocab_size=1024,
-                                         max_position_embeddings=2048)
-        kubeconfig = plane.sa_kubeconfig(R.OPERATOR_NAMESPACE, R.OPERATOR_SA)
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        operator = subprocess.Popen([sys.executable, "-m", "tokenfleet_cli", "operator", "-n", "bench",
-                                     f"--metrics-port={port()}", f"--health-port={port()}", "--resync-seconds=3",
-                                     "--no-leader-election", f"--allow-host-path={workdir}"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    env=env)
-        import yaml
-
-        manifest = R.service_manifest("startup", model, 1, workdir / "store", warm=True)
-        plane.kubectl("apply", "--server-side", "-n", "bench", "-f", "-", input=yaml.safe_dump(manifest))
-        for _ in range(kills):
-            R.wait_for("the replica", lambda: R.service_settled(plane, "bench", "startup", 1), 600)
-            [pod] = R.serving_pods(plane, "bench", "startup")
-            ip, uid = pod["status"]["podIP"], pod["metadata"]["uid"]
-            pid = R.wait_for("its process", lambda ip=ip: R.server_pid(ip), 60)
-            t = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            R.wait_for("a replacement pod", lambda uid=uid: [p for p in R.serving_pods(plane, "bench", "startup")
-                                                             if p["metadata"]["uid"] != uid and R.is_ready(p)],
-                       600, 0.25)
-            times.append(time.monotonic() - t)
-            R.log(f"replacement pod Ready {times[-1]:.1f} s after the kill")
-    finally:
-        if operator is not None:
-            operator.terminate()
-            operator.wait(30)
-        plane.down()
-    return times
-
-
 def hardware() -> dict:
     from tokenfleet_serving.engine import cpu_features
 
     return {**cpu_features.describe(), "cores": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg())}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         replacement_times: Callable[[int, Path], list[float]] | None = None) -> int:
+    """The benchmark; ``replacement_times(kills, workdir)`` measures replacement pods on a plane (dev only)."""
     ap = argparse.ArgumentParser(prog="tokenfleet bench startup", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: a generated 159M-parameter Llama)")
     ap.add_argument("--json", dest="json_path", default=None)
@@ -234,9 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=1536)
     ap.add_argument("--kv-cache-mb", type=int, default=256)
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads per server (0: all cores)")
+    ap.add_argument("--plane", dest="plane", action="store_true", default=replacement_times is not None,
+                    help="measure replacement pods on the local control plane (needs the dev package; its default)")
     ap.add_argument("--no-plane", dest="plane", action="store_false", help="skip the replacement pod on the plane")
     ap.add_argument("--kills", type=int, default=3, help="replacement pods measured on the plane")
     args = ap.parse_args(argv)
+    if args.plane and replacement_times is None:
+        ap.error("--plane needs the local control plane of the dev package (tokenfleet_dev), which is not "
+                 "installed here; pass --no-plane")
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
@@ -288,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_request_ttft_with_s": with_["first_request_ttft_s"],
             "ttft_ratio": ratio(without["first_request_ttft_s"], with_["first_request_ttft_s"]),
             "load_seconds": (with_["prefix_cache_loaded_s"] or 0) - (with_["kernels_ready_s"] or 0)}
-    if args.plane:
+    if args.plane and replacement_times is not None:
         times = replacement_times(args.kills, work)
         result["replacement_pod_ready_s"] = times
         result["replacement_pod_ready_mean_s"] = statistics.fmean(times) if times else None

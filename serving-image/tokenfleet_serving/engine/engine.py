@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +31,12 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import SpecDecodeStats, SpeculativeConfig, Speculator
+from .structured.spec import StructuredOutputError, StructuredOutputSpec
 from .tokenizer import IncrementalDetokenizer
 from .worker import RankSetup, load_rank, rank_threads, spawn_local_ranks, stop_ranks
+
+if TYPE_CHECKING:
+    from .structured.compiler import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger("tokenfleet.engine")
 
@@ -63,6 +68,8 @@ class EngineConfig:
     load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
     parallel: ParallelConfig | None = None   # tensor parallelism over processes (distributed.py); None: one rank
     model_revision: str | None = None   # the checkpoint's revision every rank must share (None: a fingerprint)
+    structured_output_timeout_s: float = 10.0   # a grammar not compiled by then: the request is refused
+    structured_output_cache_size: int = 256     # compiled grammars kept (least recently used dropped)
 
 
 @dataclass
@@ -132,6 +139,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.finished_counts: dict[str, int] = {}
         self.lock = threading.RLock()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_compiler_lock = threading.Lock()
         self.startup_marks["kernels_ready"] = time.monotonic()
 
     def _join(self, parallel: ParallelConfig, model_config, threads: int) -> None:
@@ -174,11 +183,38 @@ class LLMEngine:
     def from_pretrained(cls, model: str | Path, **kwargs) -> LLMEngine:
         return cls(EngineConfig(model=str(model), **kwargs))
 
+    # ---- structured outputs ------------------------------------------------
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use (llguidance reads the checkpoint's tokenizer.json)."""
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                from .structured.compiler import GrammarCompiler
+
+                tokenizer_file = Path(self.config.model) / "tokenizer.json"
+                if self.tokenizer is None or not tokenizer_file.is_file():
+                    raise StructuredOutputError("response_format", "structured outputs need the model's tokenizer.json")
+                self._grammar_compiler = GrammarCompiler(
+                    str(tokenizer_file), self.model_config.vocab_size, self.eos_token_ids,
+                    timeout_s=self.config.structured_output_timeout_s,
+                    cache_size=self.config.structured_output_cache_size)
+            return self._grammar_compiler
+
+    def compile_structured(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """Compile (or find cached) the grammar of ``spec``; waits at most ``structured_output_timeout_s``.
+        Call it off the step thread and pass the result to ``add_request``: a compile never holds up a step.
+        Raises :class:`StructuredOutputError` (a ValueError naming the request field) for a bad spec."""
+        return self.grammar_compiler.compile(spec)
+
     # ---- requests --------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, continuation: cont_.Continuation | None = None) -> None:
+                    params: SamplingParams | None = None, continuation: cont_.Continuation | None = None,
+                    grammar: CompiledGrammar | None = None, share_prompt_with: str | None = None) -> None:
         """Queue a request. ``continuation``: output another replica already delivered for it, taken as this
-        request's own (``continuation.py``)."""
+        request's own (``continuation.py``); a structured output's grammar is advanced over it. ``grammar``:
+        ``compile_structured(params.structured)`` done beforehand (else it is compiled here). ``share_prompt_with``:
+        the id of a request with the same prompt (n > 1): this one starts once that one has computed the prompt,
+        and takes its full blocks from the prefix cache."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -195,14 +231,29 @@ class LLMEngine:
                              f"{self.kv.pool.num_blocks * self.kv.block_size}")
         if continuation is not None:
             cont_.check(continuation, n, params.max_tokens, vocab, self.max_model_len)
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(f"sampling parameter 'logit_bias' has token id {params.logit_bias[-1][0]}, outside this "
+                             f"model's vocabulary [0, {vocab})")
+        if params.structured is not None and (grammar is None or grammar.spec.key != params.structured.key):
+            grammar = self.compile_structured(params.structured)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                     params.skip_special_tokens)
         if continuation is not None:
             cont_.apply(req, continuation, vocab)
+        if grammar is not None:
+            req.grammar = grammar.new_matcher()
+            if req.output_token_ids and not req.grammar.consume_tokens(req.output_token_ids):
+                raise StructuredOutputError("continuation", "the delivered output does not match the request's "
+                                                            "structured output")
         with self.lock:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if share_prompt_with is not None:
+                parent = self.requests.get(share_prompt_with)
+                if parent is not None and parent.prompt_token_ids == req.prompt_token_ids:
+                    req.prompt_parent = parent
             self.requests[request_id] = req
             self.scheduler.add(req)
 
@@ -328,21 +379,26 @@ class LLMEngine:
         req.finish_reason = "error"
 
     def _append(self, req: Request, token: int, lp) -> None:
+        if req.grammar is not None and token not in req.eos_token_ids and not req.grammar.consume_token(token):
+            raise ValueError(f"the grammar rejected token {token}: {req.grammar.get_error()}")
         req.append_token(token)
         self.generation_tokens += 1
         if lp is not None:
             req.pending_logprobs.append(lp)
         p = req.params
         reason = None
+        may_stop = len(req.output_token_ids) > p.min_tokens      # min_tokens: nothing stops the output before
         if token in req.eos_token_ids:
             reason = "stop"
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_ids and may_stop:
             reason, req.stop_reason = "stop", token
+        elif req.grammar is not None and req.grammar.is_stopped():     # complete: only EOS could follow
+            reason = "stop"
         special = self.tokenizer.special_token_ids if self.tokenizer is not None else ()
         if req.detokenizer is not None and not (reason and token in special):
             before = len(req.output_text)
             req.output_text += req.detokenizer.push([token])
-            if p.stop and reason is None:
+            if p.stop and reason is None and may_stop:
                 longest = max(len(s) for s in p.stop)
                 window = max(0, before - longest + 1)
                 hits = [(req.output_text.find(s, window), s) for s in p.stop]

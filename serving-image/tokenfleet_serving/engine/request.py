@@ -12,6 +12,8 @@ from .block_pool import ROOT_HASH, hash_prefix_blocks
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from .tokenizer import IncrementalDetokenizer
 
 
@@ -72,6 +74,15 @@ class Request:
         self.spec_token_ids: list[int] = []      # draft tokens to verify in the next step (speculative.py)
         self.output_text = ""
         self.reported_text_len = 0
+        self.grammar: LLMatcher | None = None    # the structured output's matcher (structured/), at the output's end
+        self.prompt_parent: Request | None = None   # n > 1: the sibling computing the shared prompt's KV first
+
+    @property
+    def waits_for_prompt(self) -> bool:
+        """A sibling is still computing this request's prompt: admitted after it, the prompt's full blocks come
+        from the prefix cache instead of being computed again."""
+        parent = self.prompt_parent
+        return parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

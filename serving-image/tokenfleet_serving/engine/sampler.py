@@ -1,6 +1,7 @@
 """Turn a batch of logits into next tokens, one row per request.
 
-Order of operations per row: penalties -> (greedy: argmax) | temperature ->
+Order of operations per row: logit_bias, min_tokens and the grammar's mask (``logits_processors.py``, the
+whole batch at once) -> penalties -> (greedy: argmax) | temperature ->
 top-k -> top-p -> min-p -> draw with the request's own generator (seeded
 requests are reproducible regardless of batch composition). Logprobs are
 reported from the raw model distribution (before penalties and temperature).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import logits_processors
 from .request import Request, TokenLogprob
 
 
@@ -64,6 +66,12 @@ def filter_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -
     return probs / probs.sum()
 
 
+def _check_sampleable(row: torch.Tensor, req: Request, what: str) -> None:
+    """No NaN or +inf, and some token finite (masked tokens are -inf)."""
+    if bool(torch.isnan(row).any()) or bool(torch.isposinf(row).any()) or not bool(torch.isfinite(row).any()):
+        raise SamplingError(req.request_id, f"{what} contain NaN or infinity, or no finite value")
+
+
 def _check_finite(row: torch.Tensor, req: Request, what: str) -> None:
     if not bool(torch.isfinite(row).all()):
         raise SamplingError(req.request_id, f"{what} contain NaN or infinity")
@@ -71,12 +79,19 @@ def _check_finite(row: torch.Tensor, req: Request, what: str) -> None:
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Next token (and logprobs when asked) per row. Every row's distribution is computed and checked
-    before any row draws, so a SamplingError leaves every request's generator untouched."""
+    before any row draws, so a SamplingError leaves every request's generator untouched. ``logit_bias``,
+    ``min_tokens`` and the grammar's mask (logits_processors.py) change the logits the token is chosen from,
+    for the whole batch at once; logprobs stay those of the model."""
+    try:
+        processed = logits_processors.apply(logits, requests)
+    except logits_processors.NoTokenLeft as e:
+        raise SamplingError(e.request_id, str(e)) from None
     simple = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in requests)
     if simple:                    # the common greedy batch: argmax where the logits are
-        return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+        return (logits if processed is None else processed).argmax(dim=-1).tolist(), [None] * len(requests)
     raw = logits.float().cpu()    # per-request generators live on the CPU
-    tokens = raw.argmax(dim=-1).tolist()
+    chosen_from = raw if processed is None else processed.cpu()
+    tokens = chosen_from.argmax(dim=-1).tolist()
     draws: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(requests):
         p = r.params
@@ -84,10 +99,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
             _check_finite(raw[i], r, "the model's logits")
         if not p.needs_penalties and p.greedy:
             continue
-        work = raw[i].double()
+        work = chosen_from[i].double()
         if p.needs_penalties:
             apply_penalties(work, r)
-            _check_finite(work, r, "the penalized logits")
+            _check_sampleable(work, r, "the penalized logits")
         if p.greedy:
             tokens[i] = int(work.argmax())
             continue

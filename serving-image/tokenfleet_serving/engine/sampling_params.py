@@ -11,8 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured.spec import StructuredOutputSpec
+
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0           # OpenAI's bound: a bias is added to the logit, in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-N alternatives per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    # (token id, bias) pairs added to the logits before sampling (a dict is accepted and sorted into pairs);
+    # ids are checked against the model's vocabulary when the engine takes the request
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0               # EOS, stop_token_ids and stop strings do not end the output before this
+    structured: StructuredOutputSpec | None = None    # the output must match this (engine/structured/)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -60,6 +69,13 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputSpec):
+            raise bad("structured", "must be a StructuredOutputSpec")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not s for s in self.stop):
@@ -70,6 +86,31 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def needs_logits_processing(self) -> bool:
+        """Whether the sampler adds to or masks this request's logits (logits_processors.py) at some step."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+
+    @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)   # type: ignore[call-overload]
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"sampling parameter 'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
+                         f"got {len(pairs)}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        token, bias = pair
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)      # JSON object keys are strings
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"sampling parameter 'logit_bias' keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"sampling parameter 'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))

@@ -107,6 +107,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if req.waits_for_prompt:         # n > 1: a sibling computes the shared prompt first
+                    break
                 cached = self.kv.get_computed_blocks(req)
                 num_cached = len(cached) * self.kv.block_size
                 n = req.num_tokens - num_cached

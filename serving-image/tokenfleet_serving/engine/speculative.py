@@ -274,9 +274,11 @@ class Speculator:
 
     # ---- before the step ---------------------------------------------------------------------------------
     def _room(self, req: Request) -> int:
-        """Drafts ``req`` can take now: 0 unless it is decoding without penalties; fewer near its end."""
+        """Drafts ``req`` can take now: 0 unless it is decoding without penalties, logit_bias, min_tokens or a
+        structured output (drafts are not checked against those: such requests do not speculate); fewer near
+        its end."""
         p = req.params
-        if req.num_tokens - req.num_computed_tokens != 1 or p.needs_penalties:
+        if req.num_tokens - req.num_computed_tokens != 1 or p.needs_penalties or p.needs_logits_processing:
             return 0
         return max(0, min(self.k, p.max_tokens - len(req.output_token_ids) - 1,
                           self.max_model_len - req.num_tokens))

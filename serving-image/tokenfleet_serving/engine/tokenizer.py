@@ -11,6 +11,9 @@ from typing import Any
 
 from .config import CheckpointError, read_json
 
+# tokenizer_config.json's named special tokens (Hugging Face's special_tokens_map), given to chat templates
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
 
 @dataclass
 class Tokenizer:
@@ -20,6 +23,8 @@ class Tokenizer:
     eos_token: str | None = None
     add_bos_token: bool = False
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # the special tokens by name (bos_token, eos_token, unk_token, ...), which chat templates see
+    special_tokens_map: dict[str, str] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -38,22 +43,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        """Render ``messages`` with the checkpoint's Jinja chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **template_kwargs: Any) -> str:
+        """Render ``messages`` with the checkpoint's chat template, in Hugging Face's environment
+        (``chat_template.py``). Raises ChatTemplateError (a ValueError)."""
+        from .chat_template import ChatTemplateError, render_chat_template
+
         if not self.chat_template:
-            raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template')")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            raise ChatTemplateError("this model has no chat template (tokenizer_config.json 'chat_template')")
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, **self.special_tokens_map}
+        return render_chat_template(self.chat_template, messages, tools=tools, documents=documents,
+                                    add_generation_prompt=add_generation_prompt,
+                                    special_tokens={k: v for k, v in tokens.items() if v is not None},
+                                    **template_kwargs)
 
 
 class IncrementalDetokenizer:
@@ -63,8 +66,9 @@ class IncrementalDetokenizer:
     constant, and holds back text that ends in an incomplete UTF-8 sequence.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -73,11 +77,12 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         delta = ""
         for tid in token_ids:
-            if tid in self.tokenizer.special_token_ids:
+            if self.skip_special_tokens and tid in self.tokenizer.special_token_ids:
                 continue
             self.ids.append(tid)
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+            skip = self.skip_special_tokens
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+            full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 delta += full[len(prefix):]
                 self.prefix_offset = self.read_offset
@@ -101,7 +106,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     cfg = read_json(cfg_path) if cfg_path.exists() else {}
 
     def token(name: str) -> str | None:
-        value = cfg.get(name)
+        value: Any = cfg.get(name)
         if isinstance(value, dict):      # AddedToken serialized as an object
             value = value.get("content")
         if value is not None and not isinstance(value, str):
@@ -118,6 +123,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{cfg_path}: field 'chat_template' must be a string")
     special_ids = frozenset(k for k, t in backend.get_added_tokens_decoder().items() if t.special)
+    tokens = {name: value for name in SPECIAL_TOKEN_NAMES if (value := token(name)) is not None}
     return Tokenizer(backend=backend, chat_template=template, bos_token=token("bos_token"),
                      eos_token=token("eos_token"), add_bos_token=bool(cfg.get("add_bos_token", False)),
-                     special_token_ids=special_ids)
+                     special_token_ids=special_ids, special_tokens_map=tokens)

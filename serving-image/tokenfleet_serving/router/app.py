@@ -39,30 +39,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfleet_serving.contract.router_files import ConfigError, RouterConfig, ScaleFromZero, load_endpoints
 from tokenfleet_serving.engine.tokenizer import Tokenizer
+from tokenfleet_serving.openai.errors import ApiError, error_body
+from tokenfleet_serving.openai.protocol import parse_json_body
+from tokenfleet_serving.openai.sse import DONE_EVENT, SseEvents, error_event, event_json, is_done, sse_event
 from tokenfleet_serving.router.auth import ClientKeys
 from tokenfleet_serving.router.metrics import RouterMetrics
 from tokenfleet_serving.router.migration import (
     BACKEND_ERROR,
     DISCONNECTED,
-    DONE_EVENT,
     MIGRATION_WAIT_S,
     NO_BACKEND,
     STALLED,
     TARGET_ERROR,
     StreamState,
-    error_event,
     failure_message,
-    is_done,
     migratable_error,
-    sse_event,
 )
 from tokenfleet_serving.router.observe import (
-    SseEvents,
     Timing,
     ask_for_usage,
     carries_output,
     completion_tokens,
-    event_json,
     is_client_error,
     is_usage_only,
     meets_slo,
@@ -72,7 +69,6 @@ from tokenfleet_serving.router.prefix import block_hashes
 from tokenfleet_serving.router.prompt import prompt_info
 from tokenfleet_serving.router.state import MAX_SESSION_KEY_CHARS, MAX_SESSIONS, BackendState, Fleet, poll_forever
 from tokenfleet_serving.server.connection import DEFAULT_BODY_TIMEOUT_S, read_body, send_and_close
-from tokenfleet_serving.server.protocol import ApiError, error_body, parse_json_body
 
 log = logging.getLogger("tokenfleet.router")
 

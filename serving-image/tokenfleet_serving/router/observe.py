@@ -22,7 +22,6 @@ event (``stream_options.include_usage``) and drops that event again when the cli
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,49 +30,14 @@ from tokenfleet_serving.contract.router_files import Slo
 EPSILON = 1e-9          # clock arithmetic's rounding is no miss
 
 
-class SseEvents:
-    """Splits a byte stream of Server-Sent Events into whole events (each ending in a blank line)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data
-        events = []
-        while True:
-            cut = self._buffer.find(b"\n\n")
-            if cut < 0:
-                return events
-            events.append(self._buffer[:cut + 2])
-            self._buffer = self._buffer[cut + 2:]
-
-    def rest(self) -> bytes:
-        rest, self._buffer = self._buffer, b""
-        return rest
-
-
-def event_json(event: bytes) -> dict[str, Any] | None:
-    """The JSON object of a ``data:`` event, or None (``[DONE]``, comments, other fields, bad JSON)."""
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return None
-            try:
-                value = json.loads(payload)
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
-
-
 def carries_output(obj: dict[str, Any]) -> bool:
     """A streamed chunk with output: text, or token ids (the router asks every backend for them, and a token can
     decode to no text yet); a chat chunk that only says the role carries none."""
     for choice in obj.get("choices") or []:
         if not isinstance(choice, dict):
             continue
-        if (choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("token_ids")
+        delta = choice.get("delta") or {}
+        if (choice.get("text") or delta.get("content") or delta.get("tool_calls") or choice.get("token_ids")
                 or choice.get("finish_reason")):
             return True
     return False

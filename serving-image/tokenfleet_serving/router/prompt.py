@@ -2,8 +2,8 @@
 (to hash prefix blocks), its length and its requested output length.
 
 It parses and tokenizes exactly as the serving server does, with the same
-code: the server's request parsing (``server/protocol.py``), its prompt
-tokenization (``server/chat.py``) and the engine's tokenizer, none of which
+code: the request parsing (``openai/protocol.py``), the prompt
+tokenization (``openai/prompt.py``) and the engine's tokenizer, none of which
 needs torch. A request the server would reject is left for the backend to
 reject: the router then routes it without prefix information.
 """
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_serving.engine.tokenizer import Tokenizer
-from tokenfleet_serving.server.chat import prompt_token_ids
-from tokenfleet_serving.server.protocol import ApiError, GenerationRequest, parse_chat, parse_completion
+from tokenfleet_serving.openai.errors import ApiError
+from tokenfleet_serving.openai.prompt import prompt_token_ids
+from tokenfleet_serving.openai.protocol import GenerationRequest, parse_chat, parse_completion
 
 log = logging.getLogger("tokenfleet.router.prompt")
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,9 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
+from tokenfleet_serving.engine.structured.spec import StructuredOutputError
+from tokenfleet_serving.openai import protocol as P
+from tokenfleet_serving.openai.errors import ApiError, error_body
+from tokenfleet_serving.openai.prompt import prompt_token_ids
+from tokenfleet_serving.openai.sse import DONE_EVENT, sse_event
+from tokenfleet_serving.openai.tool_calls import apply_tool_calls, finish_reason, tool_call_stream, tool_output_parser
+from tokenfleet_serving.openai.tool_parsers import ToolParser
 
-from . import protocol as P
-from .chat import prompt_token_ids
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .metrics import RequestTimer, ServerMetrics
@@ -54,6 +58,7 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S       # the whole body, from the end of the headers
     engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
+    tool_call_parser: str | None = None                 # reads tool calls for tool_choice auto (openai/tool_parsers)
 
 
 class Server:
@@ -218,7 +223,7 @@ class Server:
     async def _errors_middleware(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except P.ApiError as e:
+        except ApiError as e:
             if request.path.startswith("/v1/") and request.method == "POST":
                 self.metrics.reject(e.status)
             resp = web.json_response(e.body(), status=e.status, headers=e.headers)
@@ -236,7 +241,7 @@ class Server:
                        413: f"request body exceeds {self.config.max_body_bytes} bytes"}.get(status, e.reason)
             if status == 413:
                 self.metrics.reject(413)
-            resp = web.json_response(P.error_body(status, message), status=status)
+            resp = web.json_response(error_body(status, message), status=status)
             if status == 413:
                 resp.force_close()
             return resp
@@ -244,7 +249,7 @@ class Server:
             raise
         except Exception as e:  # noqa: BLE001 - the server keeps serving; the client gets a 500 body
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return web.json_response(P.error_body(500, f"internal error: {type(e).__name__}"), status=500)
+            return web.json_response(error_body(500, f"internal error: {type(e).__name__}"), status=500)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
@@ -253,7 +258,7 @@ class Server:
             # a header's bytes that are not UTF-8 arrive as lone surrogates: compared as the bytes they were
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {key}".encode()):
-                raise P.ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
         return await handler(request)
 
     # ---- probes, metrics, models -----------------------------------------------
@@ -286,10 +291,10 @@ class Server:
         They tell whether a guessed prompt was served, so only the router gets them: the holder of
         --api-key (the auth middleware checks it); without a key nobody does."""
         if not self.config.api_key:
-            raise P.ApiError(403, "the prefix-cache hashes are served only to the router: start the server with "
+            raise ApiError(403, "the prefix-cache hashes are served only to the router: start the server with "
                                   "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
-            raise P.ApiError(503, "model is loading")
+            raise ApiError(503, "model is loading")
         hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
         return web.json_response({"model": self.config.served_model_names[0],
                                   "block_size": self.engine_loop.snapshot.stats.block_size,
@@ -309,12 +314,12 @@ class Server:
 
     def _admit(self) -> None:
         if self.draining:
-            raise P.ApiError(503, "server is draining; send the request to another replica",
+            raise ApiError(503, "server is draining; send the request to another replica",
                              headers={"Retry-After": str(self.config.retry_after_s)})
         if self.engine_loop is not None and not self.engine_loop.alive:
-            raise P.ApiError(503, "engine is not running")
+            raise ApiError(503, "engine is not running")
         if not self.warm:
-            raise P.ApiError(503, "model is loading", headers={"Retry-After": str(self.config.retry_after_s)})
+            raise ApiError(503, "model is loading", headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         self._admit()
@@ -328,32 +333,60 @@ class Server:
         arrival = time.monotonic()
         req = parse(await self._read_json(request))
         if req.model not in self.config.served_model_names:
-            raise P.ApiError(404, f"model '{req.model}' does not exist; this server serves "
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
+        tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser)
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
+        if tool_parser is not None and tool_parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
+            req.sampling["skip_special_tokens"] = False      # the parser reads the call markers
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # n > 1: one engine request per choice; the later ones take the prompt's KV from the first's
+        rids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
+        streams: list[asyncio.Queue] = []
         try:
-            stream = await self.engine_loop.submit(rid, ids, params, req.continuation)
-        except QueueFullError as e:
-            raise P.ApiError(429, f"server is at capacity: {e}",
-                             headers={"Retry-After": str(self.config.retry_after_s)}) from e
-        except EngineDeadError as e:
-            raise P.ApiError(503, str(e)) from e
-        except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
-            raise P.ApiError(400, str(e)) from e
-        except Exception as e:        # the engine failed this request alone (engine_loop logged it)
-            raise P.ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
-        run = _Run(self, rid, req, RequestTimer(arrival))
+            for i, erid in enumerate(rids):
+                p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None))
+        except StructuredOutputError as e:     # a grammar that does not compile (in time): the field at fault
+            self._abort(rids[:len(streams)])
+            raise ApiError(400, e.message, e.param) from e
+        except BaseException:
+            self._abort(rids[:len(streams)])
+            raise
+        runs = [_Run(self, erid, req, RequestTimer(arrival), index=i, tool_parser=tool_parser)
+                for i, erid in enumerate(rids)]
+        for run in runs:
+            run.running_usage = P.usage(len(ids), 0, 0)
         try:
             if req.stream:
-                return await run.stream(request, stream)
-            return await run.collect(stream)
+                return await _stream(request, runs, streams)
+            bodies = await asyncio.gather(*(run.collect(s) for run, s in zip(runs, streams)))
+            return web.json_response(_merge_choices(list(bodies)))
         finally:
-            if not run.finished:
-                self.engine_loop.abort(rid)     # client went away or we failed: free the KV blocks
+            self._abort([run.rid for run in runs if not run.finished])  # client gone or we failed: free the KV
+
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.engine_loop.abort(rid)
+
+    async def _submit(self, rid: str, ids: list[int], params: SamplingParams, req: P.GenerationRequest,
+                      share_prompt_with: str | None) -> asyncio.Queue:
+        try:
+            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with)
+        except QueueFullError as e:
+            raise ApiError(429, f"server is at capacity: {e}",
+                             headers={"Retry-After": str(self.config.retry_after_s)}) from e
+        except EngineDeadError as e:
+            raise ApiError(503, str(e)) from e
+        except StructuredOutputError:
+            raise
+        except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
+            raise ApiError(400, str(e), P.named_param(str(e))) from e
+        except Exception as e:        # the engine failed this request alone (engine_loop logged it)
+            raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
 
 
 class RequestFailedError(RuntimeError):
@@ -363,8 +396,12 @@ class RequestFailedError(RuntimeError):
 class _Run:
     """One request's journey from engine outputs to the HTTP response."""
 
-    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer):
+    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer, index: int = 0,
+                 tool_parser: ToolParser | None = None):
         self.server, self.rid, self.req, self.timer = server, rid, req, timer
+        self.index = index                    # the choice this run answers (n > 1)
+        self.tool_parser = tool_parser        # reads tool calls out of the text (openai/tool_calls.py)
+        self.running_usage: dict | None = None     # usage so far (stream_options.continuous_usage_stats)
         self.model, self.created = req.model, P.now()
         self.finished = False
         self.saw_output = False
@@ -385,6 +422,7 @@ class _Run:
                 self.saw_output = True
                 m.observe_first_output(self.timer, out.num_prompt_tokens, out.num_cached_tokens)
             m.observe_gaps(self.timer.gaps[gaps_before:])
+            self.running_usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.finish_reason == "error":
                 self.finished = True
                 raise RequestFailedError(f"generation failed for this request: {out.error}")
@@ -407,7 +445,7 @@ class _Run:
                  for lp in out.logprobs]
         return P.chat_logprobs(infos) if self.req.kind == "chat" else P.completion_logprobs(infos)
 
-    async def collect(self, stream: asyncio.Queue) -> web.Response:
+    async def collect(self, stream: asyncio.Queue) -> dict:
         text, reason, lps, token_ids = [], None, [], []
         try:
             async for out in self.outputs(stream):
@@ -418,51 +456,113 @@ class _Run:
                 if lp is not None:
                     lps.append(lp)
         except EngineDeadError as e:
-            raise P.ApiError(503, str(e)) from e
+            raise ApiError(503, str(e)) from e
         except RequestFailedError as e:
-            raise P.ApiError(500, str(e)) from e
+            raise ApiError(500, str(e)) from e
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
+        if self.tool_parser is not None and self.req.tools is not None:
+            apply_tool_calls(body["choices"][0], "".join(text), self.tool_parser, self.req.tools)
         if self.req.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
-        return web.json_response(body)
+        return body
 
-    async def stream(self, request: web.Request, stream: asyncio.Queue) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+    async def stream(self, send: Callable, stream: asyncio.Queue, response_id: str) -> None:
+        """This choice's chunks, through ``send`` (shared by the n choices of one response)."""
         chat = self.req.kind == "chat"
 
-        async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+        async def send_chunk(chunk: dict) -> None:
+            chunk["choices"][0]["index"] = self.index
+            if self.req.continuous_usage_stats and self.req.include_usage:
+                chunk["usage"] = self.running_usage
+            await send(chunk)
 
         with_ids = self.req.return_token_ids
+        tools = self.req.tools
+        tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
+        if tool_stream is not None and self.req.continuation is not None:
+            # the client has what another replica's stream made of this text: take it in again, silently
+            tool_stream.push(self.req.continuation.delivered_text)
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
-            await send(P.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
-        try:
-            async for out in self.outputs(stream):
-                if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
-                    continue
-                lp = self._logprobs(out)
-                if chat:
-                    delta = {"content": out.text_delta} if out.text_delta else {}
-                    chunk = P.chat_chunk(self.rid, self.model, self.created, delta, out.finish_reason, lp)
-                else:
-                    chunk = P.completion_chunk(self.rid, self.model, self.created, out.text_delta,
-                                               out.finish_reason, lp)
-                if with_ids:
-                    chunk["choices"][0]["token_ids"] = out.new_token_ids
-                await send(chunk)
-            if self.req.include_usage:
-                await send(P.usage_chunk(self.rid, self.model, self.created, self.req.kind, self.usage))
-        except EngineDeadError as e:
-            await send(P.error_body(503, str(e)))
-        except RequestFailedError as e:
-            await send(P.error_body(500, str(e)))
-        await send("[DONE]")
-        await resp.write_eof()
-        return resp
+            await send_chunk(P.chat_chunk(response_id, self.model, self.created, {"role": "assistant", "content": ""},
+                                          None))
+        async for out in self.outputs(stream):
+            if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
+                continue
+            lp = self._logprobs(out)
+            if tool_stream is not None:     # content and tool-call deltas, then (as OpenAI) why it ended, alone
+                deltas = tool_stream.push(out.text_delta, final=out.finished)
+                if out.finished or not deltas:
+                    deltas.append({})
+                reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
+                for i, delta in enumerate(deltas):
+                    chunk = P.chat_chunk(response_id, self.model, self.created, delta,
+                                         reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
+                    if with_ids:      # and the text they decode to, which a continuation needs (router/migration.py)
+                        chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
+                        chunk["choices"][0]["output_text"] = out.text_delta if i == 0 else ""
+                    await send_chunk(chunk)
+                continue
+            if chat:
+                delta = {"content": out.text_delta} if out.text_delta else {}
+                chunk = P.chat_chunk(response_id, self.model, self.created, delta, out.finish_reason, lp)
+            else:
+                chunk = P.completion_chunk(response_id, self.model, self.created, out.text_delta,
+                                           out.finish_reason, lp)
+            if with_ids:
+                chunk["choices"][0]["token_ids"] = out.new_token_ids
+            await send_chunk(chunk)
+
+
+def _response_id(runs: list[_Run]) -> str:
+    return runs[0].rid if len(runs) == 1 else runs[0].rid.rsplit("-", 1)[0]
+
+
+async def _stream(request: web.Request, runs: list[_Run], streams: list[asyncio.Queue]) -> web.StreamResponse:
+    """One SSE response for the n choices: their chunks interleave, each naming its choice ``index``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    lock = asyncio.Lock()
+    rid, req = _response_id(runs), runs[0].req
+
+    async def send(obj: dict) -> None:
+        async with lock:
+            await resp.write(sse_event(obj))
+
+    try:
+        await asyncio.gather(*(run.stream(send, s, rid) for run, s in zip(runs, streams)))
+        if req.include_usage:
+            await send(P.usage_chunk(rid, runs[0].model, runs[0].created, req.kind, _total_usage(runs)))
+    except EngineDeadError as e:
+        await send(error_body(503, str(e)))
+    except RequestFailedError as e:
+        await send(error_body(500, str(e)))
+    await resp.write(DONE_EVENT)
+    await resp.write_eof()
+    return resp
+
+
+def _total_usage(runs: list[_Run]) -> dict | None:
+    """The prompt once (its KV is shared), the completion tokens of every choice."""
+    usages = [r.usage for r in runs]
+    if any(u is None for u in usages):
+        return None
+    total = dict(usages[0])                                   # type: ignore[arg-type]
+    total["completion_tokens"] = sum(u["completion_tokens"] for u in usages)     # type: ignore[index]
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+def _merge_choices(bodies: list[dict]) -> dict:
+    if len(bodies) == 1:
+        return bodies[0]
+    body = dict(bodies[0], id=bodies[0]["id"].rsplit("-", 1)[0])
+    body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    usages = [b["usage"] for b in bodies]
+    body["usage"] = dict(usages[0], completion_tokens=sum(u["completion_tokens"] for u in usages))
+    body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    return body
 
 
 def _merge_logprobs(parts: list[dict], kind: str) -> dict | None:

@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from .protocol import ApiError, error_body
+from tokenfleet_serving.openai.errors import ApiError, error_body
 
 log = logging.getLogger("tokenfleet.http")
 

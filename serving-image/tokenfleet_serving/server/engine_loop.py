@@ -121,11 +121,16 @@ class EngineLoop:
         return snap.stats.num_waiting + (self._submitted_seq - snap.drained_seq)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     continuation=None) -> asyncio.Queue:
-        """Hand a request to the engine; returns the queue its outputs arrive on.
+                     continuation=None, share_prompt_with: str | None = None) -> asyncio.Queue:
+        """Hand a request to the engine; returns the queue its outputs arrive on. A structured output's grammar
+        is compiled first on a worker thread (bounded in time), never on the step thread.
 
-        Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses.
+        Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses
+        (StructuredOutputError for a grammar it cannot compile in time).
         """
+        grammar = None
+        if params.structured is not None:
+            grammar = await asyncio.to_thread(self.engine.compile_structured, params.structured)
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self._stop or not self._thread.is_alive():
@@ -137,7 +142,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         self._submitted_seq += 1
         self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, continuation,
-                            accepted))
+                            (grammar, share_prompt_with), accepted))
         self._wake.set()
         try:
             await accepted
@@ -197,12 +202,11 @@ class EngineLoop:
         while self._inbox and self.error is None:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, seq, rid, ids, params, continuation, fut = cmd
+                _, seq, rid, ids, params, continuation, (grammar, sibling), fut = cmd
                 try:
-                    if continuation is None:
-                        self.engine.add_request(rid, ids, params)
-                    else:
-                        self.engine.add_request(rid, ids, params, continuation=continuation)
+                    extra = {k: v for k, v in (("continuation", continuation), ("grammar", grammar),
+                                               ("share_prompt_with", sibling)) if v is not None}
+                    self.engine.add_request(rid, ids, params, **extra)
                     error = None
                 except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone
                     if not isinstance(e, ValueError):

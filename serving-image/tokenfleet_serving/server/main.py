@@ -3,81 +3,30 @@
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 if the model failed to
 load, 2 for bad arguments (an unknown flag, a bad value, a served model name
 that is not a plain name, a draft model that does not share the model's
-tokenizer), with the flag or file named. Before exiting 1 or 2 it writes the
-reason as one line to the termination log
+tokenizer), with the flag or file named (the flags: ``serve_args.py``).
+Before exiting 1 or 2 it writes the reason as one line to the termination log
 (``tokenfleet_serving/contract/termination.py``), and so it does when the engine
 dies, so that the pod's last state says why.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import re
 import signal
 import sys
 import threading
 
-from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
-from tokenfleet_serving.contract.termination import ArgumentParser, write_termination_message
+from tokenfleet_serving.contract.termination import write_termination_message
+from tokenfleet_serving.serve_args import ServeArgs, build_parser
 
 log = logging.getLogger("tokenfleet.serve")
-
-# What `--served-model-name` accepts: 1-128 characters, no whitespace, not starting with '-' (so a
-# name can never be taken for a flag). The operator's CRD validates servedModelNames with the same rule.
-SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int of at least 1 (also used by ``tokenfleet bench engine``)."""
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return v
-
-
-def served_model_name(text: str) -> str:
-    """argparse type: a model name clients send as 'model'."""
-    if not SERVED_MODEL_NAME.fullmatch(text) or not text.isprintable():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a valid model name: 1-128 characters, no whitespace, not starting with '-'")
-    return text
-
-
-def _quantization(text: str) -> str:
-    try:
-        return parse_quantization(text, "--quantization")
-    except QuantizationError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
-
-
-def _speculative_tokens(text: str) -> int:
-    v = int(text)
-    if not 1 <= v <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
-    return v
-
 
 SPECULATIVE_FLAGS = {"method": "--speculative-method", "num_speculative_tokens": "--num-speculative-tokens",
                      "draft_model": "--speculative-draft-model", "prompt_lookup_min": "--prompt-lookup-min",
                      "prompt_lookup_max": "--prompt-lookup-max"}
 
 
-def speculative_config(args: argparse.Namespace):
+def speculative_config(args: ServeArgs):
     """The engine's SpeculativeConfig from the flags (None when --speculative-method is absent). Raises
     ValueError naming the flag at fault, and CheckpointError naming the draft model's file when it does not
     share the target's tokenizer (checked here, before any weights load)."""
@@ -103,92 +52,7 @@ def speculative_config(args: argparse.Namespace):
     return config
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="tokenfleet serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--served-model-name", action="append", default=None, type=served_model_name,
-                   help="name clients send as 'model' (repeatable; default: the --model value); 1-128 characters, "
-                        "no whitespace, not starting with '-'")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /cache "
-                   "(default: $TOKENFLEET_API_KEY if set)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20)
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=None, help="default: context - 1")
-    p.add_argument("--max-tokens-limit", type=positive_int, default=None, help="largest max_tokens accepted")
-    p.add_argument("--max-queue", type=positive_int, default=256,
-                   help="waiting requests beyond this get 429 with Retry-After")
-    p.add_argument("--drain-timeout", type=_non_negative_float, default=25.0,
-                   help="seconds SIGTERM waits for in-flight requests before aborting them")
-    p.add_argument("--header-timeout", type=_positive_float, default=10.0,
-                   help="seconds a client has, from connecting or from the first byte of a request, to send the "
-                        "request line and headers; then 408 and the connection is closed")
-    p.add_argument("--body-timeout", type=_positive_float, default=30.0,
-                   help="seconds a client has to send the whole request body after its headers; then 408")
-    p.add_argument("--engine-stall-timeout", type=_positive_float, default=120.0,
-                   help="an engine step running longer than this is a stuck engine: in-flight requests get 503 "
-                        "and /health fails, so the pod is restarted")
-    p.add_argument("--price-per-hour", type=_non_negative_float, default=None,
-                   help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kv-cache-mb", type=positive_int, default=512)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--num-threads", type=positive_int, default=None, help="CPU threads for torch")
-    p.add_argument("--quantization", type=_quantization, default="none",
-                   help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
-    p.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
-    p.add_argument("--num-speculative-tokens", type=_speculative_tokens, default=None,
-                   help="draft tokens verified per step, 1-16 (default 4)")
-    p.add_argument("--speculative-draft-model", default=None,
-                   help="checkpoint directory of the draft model (method draft; the target's tokenizer)")
-    p.add_argument("--prompt-lookup-min", type=positive_int, default=None, help="smallest n-gram matched (ngram)")
-    p.add_argument("--prompt-lookup-max", type=positive_int, default=None, help="largest n-gram matched (ngram)")
-    p.add_argument("--load-format", choices=("mmap", "read"), default="mmap",
-                   help="mmap: the weight files are read ahead from the process start (while torch is imported) and "
-                        "the weights are views of the memory-mapped files until the model packs them (no copy of "
-                        "their own); read: each tensor is read into memory first (the former way)")
-    warm = p.add_argument_group("warm restart (prefix-cache checkpoints; docs/recovery.md)")
-    warm.add_argument("--prefix-checkpoint-dir", default=None,
-                      help="directory to save the hottest prefix-cache blocks to (periodically and on drain) and "
-                           "load them from at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
-    warm.add_argument("--prefix-checkpoint-name", default=None,
-                      help="this replica's file name in that directory (default: the host name); a replacement "
-                           "given the same name starts from its predecessor's blocks")
-    warm.add_argument("--prefix-checkpoint-interval", type=_positive_float, default=60.0,
-                      help="seconds between saves (a save is skipped when the hottest blocks did not change)")
-    warm.add_argument("--prefix-checkpoint-max-mb", type=positive_int, default=256,
-                      help="most megabytes of KV blocks a checkpoint holds, hottest first")
-    warm.add_argument("--model-revision", default=None,
-                      help="the model's revision, which a checkpoint must match to be loaded (default: a "
-                           "fingerprint of the weight files)")
-    par = p.add_argument_group("parallelism (one replica over several accelerators or hosts; docs/engine.md)")
-    par.add_argument("--tensor-parallel-size", type=positive_int, default=1,
-                     help="ranks the model's weights and KV cache are split over; on one host this process starts "
-                          "the other ranks itself, one process per local accelerator (CPU: per share of the cores)")
-    par.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
-                     help="pipeline stages: not implemented yet, a value above 1 is refused")
-    par.add_argument("--nnodes", type=positive_int, default=1, help="hosts in the replica")
-    par.add_argument("--node-rank", type=int, default=0, help="this host's index in the replica, 0 = the leader")
-    par.add_argument("--master-addr", default=None,
-                     help="the leader's address (a DNS name), required when --nnodes > 1")
-    par.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the leader")
-    par.add_argument("--headless", action="store_true",
-                     help="serve no OpenAI API, only /health and /metrics on --port, and run this host's ranks "
-                          "(every --node-rank > 0)")
-    par.add_argument("--distributed-timeout-seconds", type=_positive_float, default=60.0,
-                     help="bound for joining the replica and for every collective; a rank that cannot reach the "
-                          "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
-    p.add_argument("--log-level", default="info")
-    return p
-
-
-def parallel_config(args: argparse.Namespace):
+def parallel_config(args: ServeArgs):
     """The engine's ParallelConfig from the flags; ValueError naming the flag at fault."""
     from tokenfleet_serving.engine.distributed import ParallelConfig
 
@@ -204,27 +68,7 @@ def parallel_config(args: argparse.Namespace):
     return config
 
 
-class _Refused(Exception):
-    pass
-
-
-def argument_error(argv: list[str]) -> str | None:
-    """The one-line error ``tokenfleet serve`` would exit 2 with for ``argv``, or None when it takes them.
-    Imports no torch, writes nothing: for validating a pod's arguments before the pod runs."""
-    parser = build_parser()
-
-    def refuse(message: str):
-        raise _Refused(f"{parser.prog}: error: {message}")
-
-    parser.error = refuse  # type: ignore[method-assign]
-    try:
-        parser.parse_args(argv)
-    except _Refused as exc:
-        return str(exc)
-    return None
-
-
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: ServeArgs):
     import os
     import socket
 
@@ -248,13 +92,14 @@ def config_from_args(args: argparse.Namespace):
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
                              args.model_revision) if directory else None
-    return ServerConfig(engine=engine, served_model_names=tuple(args.served_model_name or [args.model]),
+    return ServerConfig(engine=engine, served_model_names=args.served_model_names,
                         api_key=args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm)
+                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
+                        tool_call_parser=args.tool_call_parser)
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
@@ -337,7 +182,9 @@ def read_ahead(model_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = ServeArgs.from_cli_args(parser.parse_args(argv))
+    if args.problem() is not None:
+        parser.error(args.problem())
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.load_format == "mmap":        # before torch is imported: the disk works while Python does

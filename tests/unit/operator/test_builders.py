@@ -291,7 +291,7 @@ def test_checkpoint_stores_on_volumes_are_mounted(store, volume, directory):
                                             ("file:///shared/llama", False)])
 def test_warm_restart_passes_the_store_to_every_serving_member(store, mounted):
     from tokenfleet_dev.localcluster.launch import expand
-    from tokenfleet_serving.server.main import argument_error, build_parser
+    from tokenfleet_serving.serve_args import argument_error, build_parser
 
     body, spec = build(warmRestart={"enabled": True, "maxMegabytes": 64},
                        slicePolicy={"checkpoint": {"store": store, "intervalSeconds": 45}})

@@ -1,13 +1,12 @@
 """What the router observes of a request: events split from a byte stream, first token, usage, and the SLO
 verdict under vLLM's definitions."""
 from tokenfleet_serving.contract.router_files import Slo
+from tokenfleet_serving.openai.sse import SseEvents, event_json
 from tokenfleet_serving.router.observe import (
-    SseEvents,
     Timing,
     ask_for_usage,
     carries_output,
     completion_tokens,
-    event_json,
     is_client_error,
     is_usage_only,
     meets_slo,

@@ -56,8 +56,8 @@ PROMPTS = ["the cache of the prefix block", "x" * 300, "naïve 日本語 ☕", "
 
 def test_prompt_tokens_equal_the_servers(tiny_model):
     from tokenfleet_serving.engine.loader import load_checkpoint
-    from tokenfleet_serving.server.chat import prompt_token_ids
-    from tokenfleet_serving.server.protocol import parse_chat, parse_completion
+    from tokenfleet_serving.openai.prompt import prompt_token_ids
+    from tokenfleet_serving.openai.protocol import parse_chat, parse_completion
 
     server_tok = load_checkpoint(tiny_model).tokenizer   # what `tokenfleet serve` loads
     router_tok = load_tokenizer(tiny_model)

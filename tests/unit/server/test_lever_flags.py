@@ -11,12 +11,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet_serving.engine.engine import EngineStats
 from tokenfleet_serving.engine.speculative import SpecDecodeStats
-from tokenfleet_serving.server.main import build_parser, config_from_args, main
+from tokenfleet_serving.serve_args import parse_serve_args
+from tokenfleet_serving.server.main import config_from_args, main
 from tokenfleet_serving.server.metrics import ServerMetrics
 
 
 def engine_config(model, *flags: str):
-    return config_from_args(build_parser().parse_args(["--model", str(model), *flags])).engine
+    return config_from_args(parse_serve_args(["--model", str(model), *flags])).engine
 
 
 def test_lever_flags_reach_the_engine(tiny_model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenfleet_serving.contract import termination
-from tokenfleet_serving.server.main import build_parser
+from tokenfleet_serving.serve_args import build_parser
 
 
 def test_the_message_is_one_line_of_at_most_4096_bytes(tmp_path, monkeypatch):
@@ -55,7 +55,7 @@ def test_names_that_are_not_plain_names_are_refused(name, tmp_path, monkeypatch)
 
 
 def test_argument_error_says_what_serve_would_exit_2_with(tmp_path, monkeypatch):
-    from tokenfleet_serving.server.main import argument_error
+    from tokenfleet_serving.serve_args import argument_error
 
     monkeypatch.setenv(termination.ENV, str(tmp_path / "log"))
     assert argument_error(["--model", "/m", "--served-model-name", "llama", "--max-num-seqs", "8"]) is None

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenfleet_serving.server import protocol as P
+from tokenfleet_serving.openai import protocol as P
+from tokenfleet_serving.openai.errors import ApiError, error_body
 
 LIMITS = P.Limits(max_model_len=512, max_prompt_tokens=400, max_tokens_limit=256, kv_capacity_tokens=1024)
 
@@ -33,12 +34,12 @@ BAD_COMPLETIONS = [
     (dict(GOOD, presence_penalty=3), "presence_penalty", "presence_penalty"),
     (dict(GOOD, frequency_penalty=-3), "frequency_penalty", "frequency_penalty"),
     (dict(GOOD, repetition_penalty=0), "repetition_penalty", "repetition_penalty"),
-    (dict(GOOD, n=2), "n", "n > 1"),
+    (dict(GOOD, n=17), "n", "n over its bound"),
     (dict(GOOD, best_of=3), "best_of", "best_of"),
     (dict(GOOD, echo=True), "echo", "echo"),
     (dict(GOOD, suffix="x"), "suffix", "suffix"),
     (dict(GOOD, logprobs=21), "logprobs", "too many logprobs"),
-    (dict(GOOD, logit_bias={"1": 5}), "logit_bias", "logit_bias"),
+    (dict(GOOD, logit_bias={"1": 500}), "logit_bias", "logit_bias outside [-100, 100]"),
     (dict(GOOD, stop=5), "stop", "stop wrong type"),
     (dict(GOOD, stop=[""]), "stop", "empty stop string"),
     (dict(GOOD, stop=["x"] * 17), "stop", "too many stops"),
@@ -64,7 +65,7 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize("body,param,case", BAD_COMPLETIONS, ids=[c[2] for c in BAD_COMPLETIONS])
 def test_bad_completion_bodies_are_400_naming_the_field(body, param, case):
-    with pytest.raises(P.ApiError) as err:
+    with pytest.raises(ApiError) as err:
         P.parse_completion(body)
     assert err.value.status == 400
     assert err.value.param == param
@@ -85,13 +86,13 @@ BAD_CHAT = [
     (dict(GOOD_CHAT, logprobs=True, top_logprobs=99), "top_logprobs", "too many top_logprobs"),
     (dict(GOOD_CHAT, max_completion_tokens=-1), "max_completion_tokens", "negative max_completion_tokens"),
     (dict(GOOD_CHAT, prompt="x"), "prompt", "completion field on chat"),
-    (dict(GOOD_CHAT, tools=[{"type": "function"}]), "tools", "tools"),
+    (dict(GOOD_CHAT, tools=[{"type": "function"}]), "tools[0].function", "tool without a function"),
 ]
 
 
 @pytest.mark.parametrize("body,param,case", BAD_CHAT, ids=[c[2] for c in BAD_CHAT])
 def test_bad_chat_bodies_are_400_naming_the_field(body, param, case):
-    with pytest.raises(P.ApiError) as err:
+    with pytest.raises(ApiError) as err:
         P.parse_chat(body)
     assert (err.value.status, err.value.param) == (400, param)
 
@@ -141,7 +142,7 @@ def test_resolve_max_tokens(kind, prompt_len, max_tokens, expect):
     if isinstance(expect, int):
         assert P.resolve_max_tokens(req, prompt_len, LIMITS) == expect
     else:
-        with pytest.raises(P.ApiError) as err:
+        with pytest.raises(ApiError) as err:
             P.resolve_max_tokens(req, prompt_len, LIMITS)
         assert (err.value.status, err.value.param) == (400, expect)
 
@@ -150,14 +151,14 @@ def test_kv_capacity_bounds_the_context():
     small = P.Limits(max_model_len=512, max_prompt_tokens=511, max_tokens_limit=512, kv_capacity_tokens=64)
     req = P.GenerationRequest("chat", "m", None, None, [], False, False, None)
     assert P.resolve_max_tokens(req, 60, small) == 4
-    with pytest.raises(P.ApiError):
+    with pytest.raises(ApiError):
         P.resolve_max_tokens(req, 64, small)
 
 
 def test_error_body_is_openai_shaped():
-    assert P.ApiError(429, "busy", headers={"Retry-After": "1"}).body() == {
+    assert ApiError(429, "busy", headers={"Retry-After": "1"}).body() == {
         "error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": 429}}
-    assert P.error_body(404, "no", "model")["error"]["param"] == "model"
+    assert error_body(404, "no", "model")["error"]["param"] == "model"
 
 
 def test_logprob_formats():
@@ -194,13 +195,13 @@ def test_any_json_is_a_request_or_a_400(body, overrides, chat, from_valid):
         body = dict(GOOD_CHAT if chat else GOOD, **overrides)
     try:
         req = (P.parse_chat if chat else P.parse_completion)(body)
-    except P.ApiError as e:
+    except ApiError as e:
         assert e.status == 400 and e.message
         return
     try:
         n = 10
         P.sampling_params(req, P.resolve_max_tokens(req, n, LIMITS))
-    except P.ApiError as e:
+    except ApiError as e:
         assert e.status == 400 and e.message
 
 
@@ -243,7 +244,7 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("raw,param,case", BAD_BODIES, ids=[c[2] for c in BAD_BODIES])
 def test_bodies_no_later_step_could_handle_are_400(raw, param, case):
-    with pytest.raises(P.ApiError) as err:
+    with pytest.raises(ApiError) as err:
         P.parse_json_body(raw)
     assert err.value.status == 400 and err.value.param == param and err.value.message
 
@@ -267,7 +268,7 @@ def test_escaped_surrogate_pairs_are_one_character():
 @pytest.mark.parametrize("value", [1e-300, 1e-45, 0.0])
 def test_repetition_penalties_the_sampler_cannot_compute_are_400_naming_it(chat, value):
     body = dict(GOOD_CHAT if chat else GOOD, repetition_penalty=value)
-    with pytest.raises(P.ApiError) as err:
+    with pytest.raises(ApiError) as err:
         (P.parse_chat if chat else P.parse_completion)(body)
     assert err.value.status == 400 and err.value.param == "repetition_penalty"
 

@@ -1,8 +1,9 @@
-"""The OpenAI-compatible wire protocol: parse and validate requests, shape responses and errors.
+"""The OpenAI-compatible wire protocol: parse and validate requests, shape responses.
 
-Pure functions over decoded JSON: no I/O, no engine. Every rejection is an
-:class:`ApiError` that names the offending field, so a client learns what to fix.
-The server turns it into the OpenAI error body ``{"error": {...}}``.
+Pure functions over decoded JSON: no I/O, no engine. The server and the router
+both read requests with these functions, so they agree on what a request says.
+Every rejection is an :class:`~tokenfleet_serving.openai.errors.ApiError` that
+names the offending field.
 """
 from __future__ import annotations
 
@@ -16,47 +17,9 @@ from typing import Any
 from tokenfleet_serving.engine.continuation import Continuation
 from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, SamplingParams
 
-# HTTP status -> OpenAI error "type"
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "request_timeout",
-    413: "request_too_large",
-    414: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
-
-class ApiError(Exception):
-    """A request the server refuses, with the HTTP status and the field at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None, close_connection: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers or {}
-        self.close_connection = close_connection     # answer, then close without reading the rest of the body
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
-
-
-def bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"'{param}' {why}", param)
-
+from . import sampling_fields
+from .errors import ApiError, bad
+from .tools import ToolChoice, parse_tools, tool_call_output
 
 # ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
 
@@ -223,12 +186,15 @@ _SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperat
                     "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias",
                     # vLLM extras (extra_body in the openai client)
                     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                    "include_stop_str_in_output", "skip_special_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens", "min_tokens", "structured_outputs",
                     # tokenfleet extensions: token ids in the response (vLLM's name), and continuing a request
                     # another replica started (the router's stream migration)
                     "return_token_ids", "continuation"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
+                                  "tools", "tool_choice", "parallel_tool_calls",
+                                  # vLLM's chat-template extras
+                                  "documents", "add_generation_prompt", "chat_template_kwargs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -247,6 +213,12 @@ class GenerationRequest:
     logprobs: int | None = None        # top-N alternatives; None: no logprobs
     return_token_ids: bool = False     # each choice (and streamed chunk) carries its output token ids
     continuation: Continuation | None = None   # output already delivered by another replica (engine/continuation.py)
+    n: int = 1                         # choices, each an engine request sharing the prompt's KV
+    continuous_usage_stats: bool = False   # stream_options: usage in every streamed chunk
+    tools: ToolChoice | None = None    # chat: tools, tool_choice and parallel_tool_calls (tools.py)
+    documents: list[dict] | None = None        # chat: retrieval documents, passed to the chat template
+    add_generation_prompt: bool = True         # chat: end the prompt with the assistant turn's header
+    chat_template_kwargs: dict = field(default_factory=dict)   # chat: more variables for the chat template
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -271,14 +243,15 @@ def _common(body: dict) -> tuple[str, bool, bool, dict]:
         if extra:
             raise bad(f"stream_options.{extra[0]}", "is not a supported parameter")
         include_usage = bool(_bool(opts, "include_usage"))
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise bad("n", f"must be 1 (one choice per request), got {n}")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias", "is not supported")
+    bias = sampling_fields.logit_bias(body)
     if body.get("user") is not None:
         _string(body, "user")
     sampling: dict[str, Any] = {}
+    if bias:
+        sampling["logit_bias"] = bias
+    for name, value in (("min_tokens", sampling_fields.min_tokens(body)), ("structured", sampling_fields.structured(body))):
+        if value is not None:
+            sampling[name] = value
     for name, lo, hi, lo_open in (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
                                   ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
                                   ("frequency_penalty", -2.0, 2.0, False),
@@ -355,11 +328,20 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise bad("suffix", "is not supported")
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
-        raise bad("best_of", f"must be 1, got {best_of}")
+        raise bad("best_of", f"is not supported: must be 1 (ask for n choices instead), got {best_of}")
     logprobs = _int(body, "logprobs", 0, 20)
     max_tokens = _int(body, "max_tokens", 1)
-    return GenerationRequest("completion", model, text, ids, None, stream, include_usage,
-                             16 if max_tokens is None else max_tokens, sampling, logprobs, *_extensions(body))
+    req = GenerationRequest("completion", model, text, ids, None, stream, include_usage,
+                            16 if max_tokens is None else max_tokens, sampling, logprobs, *_extensions(body))
+    return _with_choices(req, body)
+
+
+def _with_choices(req: GenerationRequest, body: dict) -> GenerationRequest:
+    req.n = sampling_fields.choices(body)
+    req.continuous_usage_stats = sampling_fields.continuous_usage_stats(body, req.stream)
+    if req.n > 1 and req.continuation is not None:
+        raise bad("n", "must be 1 when continuing a request (continuation)")
+    return req
 
 
 def _message_content(content: Any, where: str) -> str:
@@ -375,8 +357,37 @@ def _message_content(content: Any, where: str) -> str:
     raise bad(f"{where}.content", "must be a string or a list of text parts")
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, with each call's ``arguments`` (a JSON string on the wire) as the
+    object it encodes, which is what chat templates render (as vLLM and Hugging Face give it to them)."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls", "must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(at, "must be {\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., "
+                          "\"arguments\": \"{...}\"}}")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", f"must be \"function\", got {call.get('type')!r}")
+        if not isinstance(call.get("id"), str):
+            raise bad(f"{at}.id", "is required and must be a string")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except (ValueError, RecursionError):
+                raise bad(f"{at}.function.arguments", "must be a JSON object encoded as a string") from None
+        if not isinstance(arguments, dict):
+            raise bad(f"{at}.function.arguments", "must encode a JSON object")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
 def normalize_messages(messages: Any) -> list[dict]:
-    """Chat messages as ``[{"role", "content": str}]`` for the chat template."""
+    """Chat messages as the chat template sees them: ``{"role", "content": str}``, plus ``name``, an assistant's
+    ``tool_calls`` (arguments decoded) and a tool result's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "is required and must be a non-empty list")
     out = []
@@ -390,11 +401,45 @@ def normalize_messages(messages: Any) -> list[dict]:
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        msg = {"role": role, "content": _message_content(content, where)}
+        msg: dict[str, Any] = {"role": role, "content": _message_content(content, where)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad(f"{where}.tool_calls", "is only allowed in assistant messages")
+            if m["tool_calls"]:
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad(f"{where}.tool_call_id", "is required in a tool message and must be a string")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
+
+
+def _template_inputs(body: dict) -> tuple[list[dict] | None, bool, dict]:
+    """``documents``, ``add_generation_prompt`` and ``chat_template_kwargs``, for the chat template."""
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(
+                isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+                for d in documents):
+            raise bad("documents", "must be a list of objects of strings, such as {\"title\": ..., \"text\": ...}")
+    add = _bool(body, "add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "must be an object")
+    taken = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+    if taken:
+        raise bad(f"chat_template_kwargs.{taken[0]}", "is set by the server; use the request field of that name")
+    return documents, add is not False, kwargs
+
+
+# what the server gives a chat template itself; chat_template_kwargs may add variables, not replace these
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                                "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -411,8 +456,17 @@ def parse_chat(body: Any) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise bad("top_logprobs", "requires 'logprobs' to be true")
     logprobs = (top or 0) if want_logprobs else None
-    return GenerationRequest("chat", model, None, None, messages, stream, include_usage,
-                             max_tokens, sampling, logprobs, *_extensions(body))
+    tools = parse_tools(body)
+    if tools is not None and tools.constrained:
+        if "structured" in sampling:
+            raise bad("tool_choice", f"{tools.mode!r} constrains the output to tool calls, which cannot be combined "
+                                     "with response_format or structured_outputs")
+        sampling["structured"] = tool_call_output(tools)
+    documents, add_generation_prompt, template_kwargs = _template_inputs(body)
+    req = GenerationRequest("chat", model, None, None, messages, stream, include_usage,
+                            max_tokens, sampling, logprobs, *_extensions(body), tools=tools, documents=documents,
+                            add_generation_prompt=add_generation_prompt, chat_template_kwargs=template_kwargs)
+    return _with_choices(req, body)
 
 
 def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, limits: Limits) -> int:
@@ -441,7 +495,13 @@ def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
     except ValueError as e:   # the engine's own checks, already field-named
-        raise ApiError(400, str(e)) from e
+        raise ApiError(400, str(e), named_param(str(e))) from e
+
+
+def named_param(engine_message: str) -> str | None:
+    """The field an engine refusal names ("sampling parameter 'x' ..."), for the error's ``param``."""
+    named = re.search(r"sampling parameter '(\w+)'", engine_message)
+    return named.group(1) if named else None
 
 
 # ---- responses --------------------------------------------------------------

@@ -1,0 +1,45 @@
+"""The grammar's token mask for a whole batch: one bitmask row per constrained request, filled in parallel by
+llguidance (which releases the GIL), applied to the logits in one vectorized operation."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher
+
+_executor: LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def executor() -> LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = LLExecutor()
+        return _executor
+
+
+def fill_bitmask(matchers: list[LLMatcher], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), ceil(vocab/32)] int32: bit j of word w set when token 32*w + j may come next."""
+    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    row_bytes = bitmask.shape[1] * 4
+    executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes,
+                                       len(matchers))
+    return bitmask
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] bool from a bitmask (bit j of word w: token 32*w + j; words little-endian)."""
+    bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).bool()
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit of ``rows`` whose token the bitmask forbids."""
+    forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))

@@ -1,0 +1,245 @@
+"""``tokenfleet serve``'s flags as one typed configuration, :class:`ServeArgs` (as vLLM's ``engine/arg_utils.py``).
+
+Each field is one flag: its name with ``-`` for ``_`` (``max_num_seqs`` is ``--max-num-seqs``), its default,
+and its check. The argument parser is built from the fields, so a flag cannot drift from its field.
+
+This module imports no torch and writes nothing: the server parses its command line with it, and the operator
+checks a pod's command line with it (``argument_error``) before the pod runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
+from tokenfleet_serving.contract.termination import ArgumentParser
+from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
+
+# What `--served-model-name` accepts: 1-128 characters, no whitespace, not starting with '-' (so a
+# name can never be taken for a flag). The operator's CRD validates servedModelNames with the same rule.
+SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
+
+PROG = "tokenfleet serve"
+WARM_RESTART = "warm restart (prefix-cache checkpoints; docs/recovery.md)"
+PARALLEL = "parallelism (one replica over several accelerators or hosts; docs/engine.md)"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int of at least 1 (also used by ``tokenfleet bench engine``)."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return v
+
+
+def served_model_name(text: str) -> str:
+    """argparse type: a model name clients send as 'model'."""
+    if not SERVED_MODEL_NAME.fullmatch(text) or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a valid model name: 1-128 characters, no whitespace, not starting with '-'")
+    return text
+
+
+def _quantization(text: str) -> str:
+    try:
+        return parse_quantization(text, "--quantization")
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
+
+
+def _speculative_tokens(text: str) -> int:
+    v = int(text)
+    if not 1 <= v <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
+    return v
+
+
+def _flag(default: Any = None, help: str | None = None, **argparse_options: Any) -> Any:
+    """A field of ServeArgs and how its flag is parsed (``type``, ``choices``, ``action``, ``required``, ``group``)."""
+    return field(default=default, metadata={"help": help, **argparse_options})
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """Every flag of ``tokenfleet serve``, parsed and checked."""
+
+    model: str = _flag(required=True, help="Hugging Face checkpoint directory")
+    served_model_name: tuple[str, ...] | None = _flag(
+        action="append", type=served_model_name,
+        help="name clients send as 'model' (repeatable; default: the --model value); 1-128 characters, "
+             "no whitespace, not starting with '-'")
+    host: str = _flag("0.0.0.0")
+    port: int = _flag(8000, type=int)
+    api_key: str | None = _flag(help="require 'Authorization: Bearer KEY' on /v1 and /cache "
+                                     "(default: $TOKENFLEET_API_KEY if set)")
+    max_body_bytes: int = _flag(4 * 2**20, type=positive_int)
+    max_prompt_tokens: int | None = _flag(type=positive_int, help="default: context - 1")
+    max_tokens_limit: int | None = _flag(type=positive_int, help="largest max_tokens accepted")
+    max_queue: int = _flag(256, type=positive_int, help="waiting requests beyond this get 429 with Retry-After")
+    drain_timeout: float = _flag(25.0, type=_non_negative_float,
+                                 help="seconds SIGTERM waits for in-flight requests before aborting them")
+    header_timeout: float = _flag(
+        10.0, type=_positive_float,
+        help="seconds a client has, from connecting or from the first byte of a request, to send the "
+             "request line and headers; then 408 and the connection is closed")
+    body_timeout: float = _flag(30.0, type=_positive_float,
+                                help="seconds a client has to send the whole request body after its headers; then 408")
+    engine_stall_timeout: float = _flag(
+        120.0, type=_positive_float,
+        help="an engine step running longer than this is a stuck engine: in-flight requests get 503 "
+             "and /health fails, so the pod is restarted")
+    price_per_hour: float | None = _flag(type=_non_negative_float,
+                                         help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
+    dtype: str = _flag("auto")
+    device: str = _flag("auto")
+    kv_cache_mb: int = _flag(512, type=positive_int)
+    block_size: int = _flag(16, type=positive_int)
+    max_num_seqs: int = _flag(256, type=positive_int)
+    max_num_batched_tokens: int = _flag(2048, type=positive_int)
+    max_model_len: int | None = _flag(type=positive_int)
+    no_prefix_caching: bool = _flag(False, action="store_true")
+    num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
+    quantization: str = _flag("none", type=_quantization,
+                              help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
+    speculative_method: str | None = _flag(
+        choices=("ngram", "draft"),
+        help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
+    num_speculative_tokens: int | None = _flag(type=_speculative_tokens,
+                                               help="draft tokens verified per step, 1-16 (default 4)")
+    speculative_draft_model: str | None = _flag(
+        help="checkpoint directory of the draft model (method draft; the target's tokenizer)")
+    prompt_lookup_min: int | None = _flag(type=positive_int, help="smallest n-gram matched (ngram)")
+    prompt_lookup_max: int | None = _flag(type=positive_int, help="largest n-gram matched (ngram)")
+    tool_call_parser: str | None = _flag(
+        choices=tuple(sorted(TOOL_PARSERS)),
+        help="how tool calls are read out of the model's text, for tool_choice auto (vLLM's names): "
+             + ", ".join(sorted(TOOL_PARSERS)) + " (docs/serving.md); unset: auto is refused")
+    enable_auto_tool_choice: bool = _flag(
+        False, action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto; this flag "
+             "needs it")
+    load_format: str = _flag(
+        "mmap", choices=("mmap", "read"),
+        help="mmap: the weight files are read ahead from the process start (while torch is imported) and "
+             "the weights are views of the memory-mapped files until the model packs them (no copy of "
+             "their own); read: each tensor is read into memory first (the former way)")
+    prefix_checkpoint_dir: str | None = _flag(
+        group=WARM_RESTART,
+        help="directory to save the hottest prefix-cache blocks to (periodically and on drain) and "
+             "load them from at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
+    prefix_checkpoint_name: str | None = _flag(
+        group=WARM_RESTART,
+        help="this replica's file name in that directory (default: the host name); a replacement "
+             "given the same name starts from its predecessor's blocks")
+    prefix_checkpoint_interval: float = _flag(
+        60.0, type=_positive_float, group=WARM_RESTART,
+        help="seconds between saves (a save is skipped when the hottest blocks did not change)")
+    prefix_checkpoint_max_mb: int = _flag(256, type=positive_int, group=WARM_RESTART,
+                                          help="most megabytes of KV blocks a checkpoint holds, hottest first")
+    model_revision: str | None = _flag(
+        group=WARM_RESTART,
+        help="the model's revision, which a checkpoint must match to be loaded (default: a "
+             "fingerprint of the weight files)")
+    tensor_parallel_size: int = _flag(
+        1, type=positive_int, group=PARALLEL,
+        help="ranks the model's weights and KV cache are split over; on one host this process starts "
+             "the other ranks itself, one process per local accelerator (CPU: per share of the cores)")
+    pipeline_parallel_size: int = _flag(1, type=positive_int, group=PARALLEL,
+                                        help="pipeline stages: not implemented yet, a value above 1 is refused")
+    nnodes: int = _flag(1, type=positive_int, group=PARALLEL, help="hosts in the replica")
+    node_rank: int = _flag(0, type=int, group=PARALLEL, help="this host's index in the replica, 0 = the leader")
+    master_addr: str | None = _flag(group=PARALLEL,
+                                    help="the leader's address (a DNS name), required when --nnodes > 1")
+    master_port: int = _flag(29500, type=int, group=PARALLEL, help="rendezvous port on the leader")
+    headless: bool = _flag(
+        False, action="store_true", group=PARALLEL,
+        help="serve no OpenAI API, only /health and /metrics on --port, and run this host's ranks "
+             "(every --node-rank > 0)")
+    distributed_timeout_seconds: float = _flag(
+        60.0, type=_positive_float, group=PARALLEL,
+        help="bound for joining the replica and for every collective; a rank that cannot reach the "
+             "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
+    log_level: str = _flag("info")
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> ServeArgs:
+        values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
+        if values["served_model_name"] is not None:
+            values["served_model_name"] = tuple(values["served_model_name"])
+        return cls(**values)
+
+    def problem(self) -> str | None:
+        """What the flags get wrong together, which no single flag's check sees (None: nothing)."""
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            return "--enable-auto-tool-choice needs --tool-call-parser"
+        return None
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.served_model_name or (self.model,)
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``tokenfleet serve``, one flag per field of :class:`ServeArgs`."""
+    parser = ArgumentParser(prog=PROG, description="serve a model over the OpenAI-compatible API")
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(ServeArgs):
+        options = dict(f.metadata)
+        group = options.pop("group", None)
+        target = parser if group is None else groups.setdefault(group, parser.add_argument_group(group))
+        if not options.get("required"):
+            options["default"] = f.default
+        if options.get("help") is None:
+            options.pop("help")
+        target.add_argument(flag_name(f.name), **options)
+    return parser
+
+
+class ServeArgsError(ValueError):
+    """A command line ``tokenfleet serve`` would exit 2 on; the message is the line it would print."""
+
+
+def parse_serve_args(argv: list[str]) -> ServeArgs:
+    """``argv`` as ``tokenfleet serve`` reads it, without printing or exiting: ServeArgsError when it would refuse."""
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise ServeArgsError(f"{parser.prog}: error: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    args = ServeArgs.from_cli_args(parser.parse_args(argv))
+    problem = args.problem()
+    if problem is not None:
+        refuse(problem)
+    return args
+
+
+def argument_error(argv: list[str]) -> str | None:
+    """The one-line error ``tokenfleet serve`` would exit 2 with for ``argv``, or None when it takes them.
+    Imports no torch, writes nothing: for validating a pod's arguments before the pod runs."""
+    try:
+        parse_serve_args(argv)
+    except ServeArgsError as exc:
+        return str(exc)
+    return None
