@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -124,13 +125,40 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient(conf)
 
 
+# A failpoint for crash tests: "VERB RESOURCE N" (RBAC's words, as ``request_labels`` gives them) makes the process
+# exit at once, as SIGKILL would, right after its Nth successful write of that kind, e.g. "create pods/binding 1"
+# or "apply slices/status 2". tests/cluster/operator/test_operator_cluster.py kills the operator at each step of
+# a Slice's creation in turn this way.
+EXIT_AFTER_ENV = "TOKENFLEET_EXIT_AFTER"
+
+
+class ExitAfter:
+    def __init__(self, spec: str | None):
+        self.verb, self.resource, self.left = "", "", 0
+        if spec:
+            verb, resource, count = spec.split()
+            self.verb, self.resource, self.left = verb, resource, int(count)
+        self._lock = threading.Lock()
+
+    def wrote(self, verb: str, resource: str) -> None:
+        if (verb, resource) != (self.verb, self.resource):
+            return
+        with self._lock:
+            self.left -= 1
+            if self.left == 0:
+                log.critical("%s=%r: exiting as if killed", EXIT_AFTER_ENV, f"{verb} {resource}")
+                os._exit(137)
+
+
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None):
         self.api = api_client or load_api_client()
         self._lock = threading.Lock()
+        self._exit_after = ExitAfter(os.environ.get(EXIT_AFTER_ENV))
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None, content_type: str | None = None) -> Any:
-        metrics.API_REQUESTS.labels(*request_labels(method, path, content_type)).inc()
+        labels = request_labels(method, path, content_type)
+        metrics.API_REQUESTS.labels(*labels).inc()
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
@@ -149,6 +177,8 @@ class Kube:
             except (TypeError, ValueError, AttributeError):
                 pass
             raise KubeError(status, f"{method} {path}: {status} {message}", reason=reason, detail=message)
+        if method != "GET":
+            self._exit_after.wrote(*labels)
         return json.loads(text) if text else {}
 
     def _request(self, method: str, path: str, headers: dict, body: Any, query: list) -> tuple[int, Any]:
@@ -202,27 +232,34 @@ class Kube:
             raise
 
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
-        query = [("labelSelector", label_selector)] if label_selector else []
-        out = self._call("GET", path_for(api_version, kind, namespace), query=query)
-        items = out.get("items", [])
-        for item in items:  # lists leave apiVersion/kind out of the items
-            item.setdefault("apiVersion", api_version)
-            item.setdefault("kind", kind)
-        return items
+        return self.listing(api_version, kind, namespace, label_selector=label_selector)[0]
 
     def list_cluster(self, api_version: str, kind: str, *, label_selector: str | None = None,
                      field_selector: str | None = None, resource_version: str | None = None) -> list[dict[str, Any]]:
         """List a namespaced kind across all namespaces (or a cluster-scoped kind). ``resource_version="0"``:
         any version the API server has, served from its watch cache (no quorum read from etcd)."""
-        plural, _ = _PLURALS[kind]
-        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        return self.listing(api_version, kind, None, label_selector=label_selector, field_selector=field_selector,
+                            resource_version=resource_version)[0]
+
+    def listing(self, api_version: str, kind: str, namespace: str | None, *, label_selector: str | None = None,
+                field_selector: str | None = None,
+                resource_version: str | None = None) -> tuple[list[dict[str, Any]], int | None]:
+        """(items, the list's resourceVersion) in ``namespace``, or everywhere when it is None."""
+        plural, namespaced = _PLURALS[kind]
+        path = path_for(api_version, kind, namespace) if namespace and namespaced else \
+            ("/api/v1" if api_version == "v1" else f"/apis/{api_version}") + f"/{plural}"
         query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector),
                                       ("resourceVersion", resource_version)) if v]
-        items = self._call("GET", f"{base}/{plural}", query=query).get("items", [])
-        for item in items:
+        out = self._call("GET", path, query=query)
+        items = out.get("items", [])
+        for item in items:  # lists leave apiVersion/kind out of the items
             item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
-        return items
+        try:
+            version = int((out.get("metadata") or {}).get("resourceVersion"))
+        except (TypeError, ValueError):
+            version = None
+        return items, version
 
     def bind(self, namespace: str, pod: str, node: str, *, uid: str | None = None) -> None:
         """Bind a pod to a node through the Binding API (pods/binding).

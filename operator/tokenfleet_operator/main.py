@@ -45,7 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="this replica's name in the Lease (default: $POD_NAME, else host-pid)")
     ap.add_argument("--lease-seconds", type=float, default=10.0, help="a standby takes over after this long without renewal")
     ap.add_argument("--allow-host-path", action="append", default=[], metavar="PREFIX",
-                    help="mount host paths (spec.model.hostPath, hostpath:// checkpoint stores) only at PREFIX or "
+                    help="mount host paths (the hostPath of every model source: spec.model, the draft model; "
+                         "hostpath:// checkpoint stores) only at PREFIX or "
                          "below it (repeatable; default: none, such objects are refused with HostPathNotAllowed). "
                          "A cluster administrator's opt-in: a host path reaches into the node")
     ap.add_argument("--verbose", "-v", action="store_true", help="debug logging")

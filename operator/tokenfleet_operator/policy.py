@@ -5,7 +5,8 @@ them with its own rights. So the operator adds no privilege of its own to them: 
 node needs an administrator's opt-in, given where only an administrator can give it, on the operator's command
 line (its Deployment in tokenfleet-system):
 
-- ``--allow-host-path PREFIX`` (repeatable): a host-path model (``spec.model.hostPath``) or checkpoint store
+- ``--allow-host-path PREFIX`` (repeatable): a host-path model source (``hostPath`` of ``spec.model``, of the draft
+  model, of any ``api.model_source.ModelSource``; ``validation.model_source_problems``) or checkpoint store
   (``hostpath://``) is mounted only when its path is PREFIX or lies below it. Without the flag no host path is
   mounted, and the object is refused with reason ``HostPathNotAllowed``. The schema already refuses ``..``
   segments and ``/`` itself, so a path cannot climb out of its prefix (a symlink on the node still can: allow

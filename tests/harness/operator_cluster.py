@@ -38,10 +38,11 @@ class Operator:
     """`tokenfleet operator` as a child process, authenticated as the operator's ServiceAccount."""
 
     def __init__(self, cluster, namespace: str, log_path: Path, *, identity: str = "op-a",
-                 lease: str | None = None, extra: tuple[str, ...] = ()):
+                 lease: str | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
         """``lease``: the leader Lease's name (default: one per test namespace, so tests never compete);
-        replicas given the same lease elect one leader."""
+        replicas given the same lease elect one leader. ``env``: added to the process's environment."""
         self.cluster, self.namespace, self.log_path = cluster, namespace, log_path
+        self.env = env or {}
         self.identity, self.lease, self.extra = identity, lease or f"tokenfleet-operator-{namespace}", extra
         self.kubeconfig = cluster.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA)
         self.proc: subprocess.Popen | None = None
@@ -49,7 +50,7 @@ class Operator:
         self.health_port = free_port()
 
     def start(self) -> Operator:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

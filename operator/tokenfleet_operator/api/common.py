@@ -34,7 +34,7 @@ RESOURCE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]*[
 # anything above about 9.2e15 overflows it (issue 37, defect 9: cpu 1e999 was accepted).
 MAX_QUANTITY = "8Pi"
 MAX_QUANTITY_VALUE = Decimal(2) ** 53
-_SUFFIXES = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal("1e3"),
+_SUFFIXES: dict[str, Decimal] = {"": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal("1e3"),
              "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
              **{f"{p}i": Decimal(1024) ** (i + 1) for i, p in enumerate("KMGTPE")}}
 

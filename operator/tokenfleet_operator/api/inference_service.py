@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
+from pydantic.json_schema import JsonDict
 
 from tokenfleet_operator.api.common import (
     DNS_LABEL_PATTERN,
@@ -265,7 +266,7 @@ class SloSpec(ApiModel):
 
 # The API server checks a fractional minimum against an integer value truncated (0 passes minimum 0.01), so the
 # autoscaler's targets carry the bound as a CEL rule too (issue 37, defect 2).
-AT_LEAST_A_HUNDREDTH = {"x-kubernetes-validations": [rule("self >= 0.01", "must be at least 0.01")]}
+AT_LEAST_A_HUNDREDTH: JsonDict = {"x-kubernetes-validations": [rule("self >= 0.01", "must be at least 0.01")]}
 
 
 class AutoscalingSpec(ApiModel):

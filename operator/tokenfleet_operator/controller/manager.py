@@ -69,6 +69,8 @@ WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
 )
 CLUSTER_SCOPED = {"SliceQueue", "Node"}
 
+# A new leader lists everything again this soon after its first list (the watches may have started after it).
+FIRST_RELIST_SECONDS = 5.0
 # A periodic gang pass with nothing waiting is skipped (gang/waiting.py); a full one runs at least this often.
 GANG_FULL_PASS_SECONDS = 60.0
 
@@ -285,22 +287,25 @@ class Manager:
             self._ask(key)
 
     # ---- leadership -----------------------------------------------------------------------
-    def prime(self) -> None:
+    def prime(self) -> bool:
         """List every watched kind into the cache (quorum reads), so the first passes of a new leader see the
-        whole cluster, not whatever part of it the watches have delivered so far."""
+        whole cluster, not whatever part of it the watches have delivered so far; the list replaces what the
+        cache holds (``ObjectCache.replace``). Returns whether the cache changed."""
+        changed = False
         for kind, api_version, _, label in WATCHED:
             selector = label  # "key" alone selects objects that have the label
             scope = None if kind in CLUSTER_SCOPED else self.namespaces
-            if scope is None:
-                try:
-                    items = self.kube.list_cluster(api_version, kind, label_selector=selector)
-                except KubeError as e:
-                    if e.status == 404 and kind == "SliceQueue":
-                        continue      # the SliceQueue CRD is optional
-                    raise
-            else:
-                items = [o for ns in scope for o in self.kube.list(api_version, kind, ns, selector)]
-            self.cache.replace(kind, items, scope)
+            try:
+                listings = [self.kube.listing(api_version, kind, ns, label_selector=selector)
+                            for ns in (scope or [None])]
+            except KubeError as e:
+                if e.status == 404 and kind == "SliceQueue":
+                    continue      # the SliceQueue CRD is optional
+                raise
+            versions = [v for _, v in listings]
+            oldest = None if None in versions else min(v for v in versions if v is not None)
+            changed = self.cache.replace(kind, [o for items, _ in listings for o in items], scope, oldest) or changed
+        return changed
 
     def start_leading(self) -> None:
         """Called once this replica holds the Lease (or at once without leader election)."""
@@ -314,7 +319,8 @@ class Manager:
         metrics.LEADER.set(1)
         self.leading.set()
         self.collector.start()
-        self._resync()
+        # the watches may start only after that list: list again soon, not only at the next resync
+        self._resync(relist=False, next_in=min(self.resync_seconds, FIRST_RELIST_SECONDS))
         if self.gang_pass is not None:
             self.queue.add(GANG_PASS)
         for i in range(self._workers):
@@ -322,8 +328,18 @@ class Manager:
             t.start()
             self._threads.append(t)
 
-    def _resync(self) -> None:
-        """Queue every object the operator owns; a reconcile of an unchanged object writes nothing."""
+    def _resync(self, relist: bool = True, next_in: float | None = None) -> None:
+        """Queue every object the operator owns; a reconcile of an unchanged object writes nothing. First
+        (``relist``) list everything again: a watch reports no deletion that happened before it started (the
+        watches start after a new leader's first list, and start over after an expired resourceVersion), so the
+        cache would keep such an object for good (issue 37, defect 11: a Slice whose rolled-back members the
+        cache still showed, and which never made them again)."""
+        if relist:
+            try:
+                if self.prime():
+                    self._gang_news = True
+            except KubeError as e:
+                log.warning("cannot list the cluster to resync (%s); the next resync tries again", e)
         for kind in ("InferenceService", "Slice"):
             for obj in self.cache.list(kind):
                 meta = obj["metadata"]
@@ -332,7 +348,7 @@ class Manager:
                     self.collector.track((kind, meta["namespace"], meta["name"]))
                 elif (obj.get("spec") or {}).get("role") == "batch" and (obj.get("spec") or {}).get("checkpoint"):
                     self.collector.track((kind, meta["namespace"], meta["name"]))
-        self.queue.add_after(RESYNC, self.resync_seconds)
+        self.queue.add_after(RESYNC, self.resync_seconds if next_in is None else next_in)
 
     def stop(self) -> None:
         self.leading.clear()

@@ -136,21 +136,55 @@ def test_gang_restarts_when_a_member_is_deleted(cluster, namespace, operator):
     assert "GangRestart" in events
 
 
-def test_killing_the_operator_mid_reconcile_converges_without_duplicates(cluster, namespace, tmp_path):
+# Each step of a replica's creation, as the writes that make it (RBAC's verb and resource), and the how-manieth
+# such write the operator dies right after (issue 37, defect 11: a kill could leave a Slice without its member).
+# "create" makes a new service of 3 replicas; "change" scales a ready one from 2 to 3 and changes its engine, so
+# every Slice is made again at a new revision.
+KILL_STEPS = [
+    ("create", "apply slices 1"),               # the first Slice exists, nothing else
+    ("create", "apply slices 2"),
+    ("create", "create pods 1"),                # a Slice with one of its two members
+    ("create", "create pods 2"),
+    ("create", "apply slices/status 1"),
+    ("create", "create pods/binding 1"),        # a gang half bound
+    ("create", "create pods/binding 2"),        # a gang bound, its decision not written
+    ("create", "patch slices 1"),               # the first decision written
+    ("create", "apply inferenceservices/status 1"),
+    ("change", "apply slices 1"),               # the first Slice at the new revision, its pods still the old ones
+    ("change", "delete pods 1"),                # an old member deleted, its partner not
+    ("change", "delete pods 2"),
+    ("change", "create pods 1"),
+    ("change", "create pods/binding 1"),
+    ("change", "patch slices 1"),
+]
+
+
+@pytest.mark.parametrize("scenario, step", KILL_STEPS, ids=[f"{c}-{s.replace(' ', '-')}" for c, s in KILL_STEPS])
+def test_killing_the_operator_at_each_step_converges_without_duplicates(cluster, namespace, tmp_path, scenario, step):
     install(cluster)
-    apply(cluster, isvc("svc", replicas=4), namespace)
-    first = Operator(cluster, namespace, tmp_path / "first.log").start()
+    fast = ("--lease-seconds=3",)             # the next leader takes over about 4 s after the kill
+    if scenario == "change":
+        apply(cluster, isvc("svc", replicas=2), namespace)
+        first = Operator(cluster, namespace, tmp_path / "first.log", extra=fast).start()
+        try:
+            wait_for("2 ready replicas", lambda: ready_with(cluster, namespace, "svc", 2), 120, first)
+        finally:
+            first.stop()
+        apply(cluster, isvc("svc", replicas=3, engine={"maxNumSeqs": 128}), namespace)
+    else:
+        apply(cluster, isvc("svc", replicas=3), namespace)
+    killed = Operator(cluster, namespace, tmp_path / "killed.log", extra=fast,
+                      env={"TOKENFLEET_EXIT_AFTER": step}).start()
     try:
-        wait_for("the first Slice", lambda: names(cluster, "slices", namespace) or None, 60, first)
-        first.kill()  # SIGKILL: no cleanup, whatever was in flight stays half done
+        assert killed.proc is not None and killed.proc.wait(timeout=120) == 137, killed.log()
     finally:
-        first.kill()
-    second = Operator(cluster, namespace, tmp_path / "second.log").start()
+        killed.kill()
+    second = Operator(cluster, namespace, tmp_path / "second.log", extra=fast).start()
     try:
-        wait_for("4 ready replicas", lambda: ready_with(cluster, namespace, "svc", 4), 180, second)
-        assert wait_for("exact children", lambda: children(cluster, namespace) == expected("svc", 4) or None, 30, second)
+        wait_for("3 ready replicas", lambda: ready_with(cluster, namespace, "svc", 3), 120, second)
+        assert wait_for("exact children", lambda: children(cluster, namespace) == expected("svc", 3) or None, 30, second)
         time.sleep(3)  # a few more resyncs must not add anything
-        assert children(cluster, namespace) == expected("svc", 4)
+        assert children(cluster, namespace) == expected("svc", 3)
         for s in names(cluster, "slices", namespace):
             assert get_json(cluster, "slice", s, "-n", namespace)["status"]["restarts"] == 0
     finally:

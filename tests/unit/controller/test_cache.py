@@ -72,3 +72,37 @@ def test_the_cache_keeps_what_reconciles_read_without_managed_fields_and_shares_
     assert key_a is key_b                                                  # one copy of each field name
     assert a["status"]["phase"] is b["status"]["phase"]                    # and of each short value
     assert [p["metadata"]["name"] for p in c.by_label("Pod", "ns", "slice", "s")] == ["a", "b"]
+
+
+# Issue 37, defect 11: a new leader's watches start after its first list, so a deletion in between was never
+# reported, and the cache kept members the gang scheduler had rolled back: their Slice never made them again.
+
+def test_a_relist_forgets_what_was_deleted_while_no_watch_ran():
+    c = ObjectCache({"Pod": ("slice",)})
+    c.replace("Pod", [pod("a", 5, slice="s"), pod("b", 6, slice="s")], None, 10)     # the leader's first list
+    # "a" is deleted before the watch starts: no event ever says so; the next list lacks it
+    assert c.replace("Pod", [pod("b", 6, slice="s")], None, 20)
+    assert [p["metadata"]["name"] for p in c.by_label("Pod", "ns", "slice", "s")] == ["b"]
+    assert not c.replace("Pod", [pod("b", 6, slice="s")], None, 21)                 # nothing new: no change
+
+
+def test_a_list_does_not_forget_what_was_made_after_it_nor_bring_back_what_was_deleted_after_it():
+    c = ObjectCache()
+    c.store("Pod", pod("new", 30))                # the pass's own create, stored before the list's result arrives
+    c.store("Pod", pod("old", 5))
+    assert c.observe("Pod", "DELETED", pod("old", 25))     # its deletion's event, also before that result
+    c.replace("Pod", [pod("old", 5)], None, 20)            # a list read at 20: before both
+    assert c.get("Pod", "ns", "new") is not None           # newer than the list: kept
+    assert c.get("Pod", "ns", "old") is None               # deleted after the list was read: stays deleted
+    assert c.store("Pod", pod("old", 40))                  # made again under the same name: a newer object
+    assert c.get("Pod", "ns", "old")["metadata"]["resourceVersion"] == "40"
+
+
+def test_tombstones_end_after_their_time():
+    now = [0.0]
+    c = ObjectCache(clock=lambda: now[0])
+    c.observe("Pod", "DELETED", pod("a", 10))
+    assert not c.store("Pod", pod("a", 9))
+    now[0] = 10_000.0
+    c.observe("Pod", "DELETED", pod("b", 11))              # any later deletion prunes the old tombstones
+    assert c.store("Pod", pod("a", 9))

@@ -330,3 +330,28 @@ def test_the_gang_passs_own_decision_reaches_the_slice_but_does_not_queue_anothe
     assert m.cache.get("Slice", "ns", "s")["metadata"]["resourceVersion"] == "2"   # in the cache before its event
     m.observe("Slice", "MODIFIED", decided)
     assert drain(m) == [("Slice", "ns", "s")] and GANG_PASS not in m.queue._due
+
+
+class Lister(StatusWriter):
+    """The API server's lists: what exists now, at resourceVersion ``rv``."""
+
+    def __init__(self, objects):
+        super().__init__()
+        self.objects = objects
+
+    def listing(self, api_version, kind, namespace, *, label_selector=None, **_):
+        return [o for o in self.objects if o.get("kind") == kind], self.rv
+
+
+def test_a_resync_lists_again_and_forgets_what_no_watch_reported_deleted():
+    """Issue 37, defect 11: the members the new leader rolled back before its watches started stayed in its
+    cache, so their Slice never made them again."""
+    member = {"kind": "Pod", "metadata": {"name": "s-0-0", "namespace": "ns", "resourceVersion": "50",
+                                          "labels": {SLICE: "s"}}}
+    m = manager({}, Lister([member]))
+    m.prime()
+    assert [p["metadata"]["name"] for p in m.cache.by_label("Pod", "ns", SLICE, "s")] == ["s-0-0"]
+    m.kube.objects = []                      # deleted; the watch that would have said so was not running yet
+    m._gang_news = False
+    m.process(("Resync", None, ""))
+    assert m.cache.by_label("Pod", "ns", SLICE, "s") == [] and m._gang_news
