@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from ..engine import LLMEngine, SamplingParams
 from ..engine.engine import usable_cpus
 from ..engine.structured import StructuredOutputSpec
-from .engine import REFERENCE, hardware
+from .engine import hardware, reference_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -164,12 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_argument(ap, "TPOT and output tokens/s, constrained vs free, at batch 1 and 16")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or usable_cpus())
-    tmp = None
-    model_dir = args.model
-    if model_dir is None:
-        from ..testing_models import create_random_checkpoint
-        tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-bench-")
-        model_dir = create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=args.seed)
+    model_dir, tmp = reference_checkpoint(args.model, args.seed)
     engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", kv_cache_bytes=1 << 30,
                                        num_threads=args.threads)
     spec = StructuredOutputSpec.json_schema(SCHEMA, strict=True)
