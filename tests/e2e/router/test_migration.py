@@ -293,4 +293,4 @@ def test_a_stream_of_several_choices_passes_through_and_fails_cleanly_when_broke
     status, _, events = stream_events(router.base_url, path("completion"), body("completion", n=2))
     *_, error, done = events
     assert done == "[DONE]" and error["error"]["code"] == 502
-    assert "several choices" in error["error"]["message"]
+    assert "several choices (n > 1)" in error["error"]["message"]
