@@ -14,6 +14,7 @@ from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceSe
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
 from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
+from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, argument_error, parse_serve_args
 
 
@@ -59,9 +60,17 @@ def runs_bundled_server(image: str) -> bool:
 
 
 def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem]:
-    """Quantizations the bundled server does not implement yet; without this check its pods would exit on the
-    flag (another image may implement them)."""
-    if not runs_bundled_server(spec.image) or spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
+    """Quantizations and tool-call parsers the bundled server does not implement; without this check its pods
+    would exit on the flag (another image may implement them)."""
+    if not runs_bundled_server(spec.image):
+        return []
+    parser = spec.engine.tool_call_parser
+    if parser is not None and parser not in TOOL_PARSERS:
+        return [Problem(
+            "NotInServingImage", "spec.engine.toolCallParser",
+            f"the bundled serving image {spec.image} has no tool-call parser {parser!r}; it has "
+            f"{', '.join(sorted(TOOL_PARSERS))}, or set spec.image to a server that has it")]
+    if spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
         return []
     return [Problem(
         "NotInServingImage", "spec.engine.quantization",
@@ -89,6 +98,7 @@ OPERATOR_SERVE_FLAGS = {
     "prefix_checkpoint_name": ("--prefix-checkpoint-name", "spec.warmRestart"),
     "prefix_checkpoint_interval": ("--prefix-checkpoint-interval", "spec.slicePolicy.checkpoint.intervalSeconds"),
     "prefix_checkpoint_max_mb": ("--prefix-checkpoint-max-mb", "spec.warmRestart.maxMegabytes"),
+    "tool_call_parser": ("--tool-call-parser", "spec.engine.toolCallParser"),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
 from tokenfleet_serving.contract.termination import ArgumentParser
+from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 
 # What `--served-model-name` accepts: 1-128 characters, no whitespace, not starting with '-' (so a
 # name can never be taken for a flag). The operator's CRD validates servedModelNames with the same rule.
@@ -125,6 +126,14 @@ class ServeArgs:
         help="checkpoint directory of the draft model (method draft; the target's tokenizer)")
     prompt_lookup_min: int | None = _flag(type=positive_int, help="smallest n-gram matched (ngram)")
     prompt_lookup_max: int | None = _flag(type=positive_int, help="largest n-gram matched (ngram)")
+    tool_call_parser: str | None = _flag(
+        choices=tuple(sorted(TOOL_PARSERS)),
+        help="how tool calls are read out of the model's text, for tool_choice auto (vLLM's names): "
+             + ", ".join(sorted(TOOL_PARSERS)) + " (docs/serving.md); unset: auto is refused")
+    enable_auto_tool_choice: bool = _flag(
+        False, action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto; this flag "
+             "needs it")
     load_format: str = _flag(
         "mmap", choices=("mmap", "read"),
         help="mmap: the weight files are read ahead from the process start (while torch is imported) and "
@@ -155,6 +164,12 @@ class ServeArgs:
         if values["served_model_name"] is not None:
             values["served_model_name"] = tuple(values["served_model_name"])
         return cls(**values)
+
+    def problem(self) -> str | None:
+        """What the flags get wrong together, which no single flag's check sees (None: nothing)."""
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            return "--enable-auto-tool-choice needs --tool-call-parser"
+        return None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -193,7 +208,11 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
         raise ServeArgsError(f"{parser.prog}: error: {message}")
 
     parser.error = refuse  # type: ignore[method-assign]
-    return ServeArgs.from_cli_args(parser.parse_args(argv))
+    args = ServeArgs.from_cli_args(parser.parse_args(argv))
+    problem = args.problem()
+    if problem is not None:
+        refuse(problem)
+    return args
 
 
 def argument_error(argv: list[str]) -> str | None:

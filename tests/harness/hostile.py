@@ -296,7 +296,48 @@ def canary(rng: random.Random, headers: dict[str, str]) -> Case:
                 canary_tokens=n, stream=stream, expect={200})
 
 
-FAMILIES = [(_json_case, 0.42), (_sampling_case, 0.25), (_body_case, 0.12), (_http_case, 0.11), (_auth_case, 0.04)]
+def _hostile_schema(rng: random.Random) -> object:
+    """A tool's parameters: some valid, most what a grammar compiler or a schema checker could choke on."""
+    deep: dict = {"type": "string"}
+    for _ in range(rng.choice([5, 40, 200])):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    return rng.choice([
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 3}}, "required": ["a"]},
+        {"type": "objekt"}, {"type": "object", "properties": {"a": {"minimum": "x"}}}, {"$ref": "#"},
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+        {"type": "string", "pattern": "(a+)+$"}, {"type": "string", "pattern": "["},
+        {"enum": [f"v{i}" for i in range(rng.choice([3, 3000]))]},
+        {"type": "integer", "minimum": 10, "maximum": 1}, {"anyOf": [{"type": "string"}] * 60}, deep,
+        {"type": "object", "additionalProperties": {"$ref": "#"}}, hostile_value(rng), True, False, [], None])
+
+
+def _tools_case(rng: random.Random, headers: dict[str, str]) -> Case:
+    """Tools, tool choices and tool messages: a 400 naming the field or an answer, never a 5xx or a stall."""
+    body = base_request(rng, "chat")
+    names = rng.sample(["f", "g", "get_weather", "x" * 65, "bad name", ""], 2)
+    tools = [{"type": "function", "function": {"name": n, "parameters": _hostile_schema(rng)}} for n in names]
+    body["tools"] = rng.choice([tools, tools[:1], hostile_value(rng), [hostile_value(rng)], tools * 70])
+    body["tool_choice"] = rng.choice(["auto", "none", "required", "sometimes", hostile_value(rng),
+                                      {"type": "function", "function": {"name": rng.choice(names + ["nope"])}}])
+    if rng.random() < 0.3:
+        body["parallel_tool_calls"] = rng.choice([True, False, hostile_value(rng)])
+    if rng.random() < 0.3:
+        body["messages"] += [
+            {"role": "assistant", "content": None, "tool_calls": rng.choice([
+                [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": rng.choice(
+                    ["{}", "{not json", "[1]", json.dumps({"a": 1}), hostile_value(rng)])}}],
+                hostile_value(rng)])},
+            rng.choice([{"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "tool", "content": "x"},
+                        {"role": "tool", "tool_call_id": hostile_value(rng), "content": hostile_value(rng)}])]
+    for name in ("documents", "chat_template_kwargs", "add_generation_prompt"):
+        if rng.random() < 0.1:
+            body[name] = hostile_value(rng)
+    return Case("tools", str(body["tool_choice"])[:40], request_bytes("POST", CHAT, json.dumps(body).encode(), headers),
+                stream=bool(body.get("stream") is True))
+
+
+FAMILIES = [(_json_case, 0.40), (_sampling_case, 0.23), (_body_case, 0.12), (_http_case, 0.11), (_auth_case, 0.04),
+            (_tools_case, 0.10)]
 
 
 def generate(seed: int, n: int, headers: dict[str, str], *, canary_every: int = 20, big_bodies: int = 2) -> list[Case]:

@@ -83,8 +83,8 @@ def server_config(model: Path, **overrides):
 
     engine_keys = {"kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
                    "enable_prefix_caching"}
-    engine = EngineConfig(model=str(model), dtype="float32", kv_cache_bytes=4 * 2**20, num_threads=1,
-                          **{k: v for k, v in overrides.items() if k in engine_keys})
+    engine = EngineConfig(model=str(model), dtype="float32", num_threads=1,
+                          **{"kv_cache_bytes": 4 * 2**20, **{k: v for k, v in overrides.items() if k in engine_keys}})
     base = ServerConfig(engine=engine, served_model_names=(MODEL_NAME,), api_key=API_KEY,
                         max_body_bytes=64 * 1024, max_queue=64, drain_timeout_s=10)
     return replace(base, **{k: v for k, v in overrides.items() if k not in engine_keys})

@@ -197,6 +197,15 @@ class EngineSpec(ApiModel):
         "and gptq are not implemented by the bundled serving image yet (NotInServingImage); another image may.",
     )
     speculative_decoding: SpeculativeDecoding | None = Field(default=None, description="Unset disables speculative decoding.")
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="How the server reads tool calls out of the model's text, for chat requests with tools and "
+        "tool_choice auto (tokenfleet serve --tool-call-parser, vLLM's names). The bundled serving image has hermes "
+        "(Hermes 2 Pro, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3) and mistral; another name is refused for it "
+        "(NotInServingImage). Unset: requests with tool_choice auto get a 400; required and named tool choices "
+        "need no parser.",
+        max_length=64, pattern=r"^[a-z0-9_]+$",
+    )
     extra_args: list[Annotated[str, Field(max_length=256)]] | None = Field(
         default=None,
         description=(

@@ -140,6 +140,8 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str) -> list[str]:
         draft_dir = draft_model_storage(spec)[2]
         if draft_dir:
             args += ["--speculative-draft-model", draft_dir]
+    if eng.tool_call_parser is not None:
+        args += ["--tool-call-parser", eng.tool_call_parser]
     per_replica = hourly_cost(spec, 1)
     if per_replica > 0:
         args += ["--price-per-hour", f"{per_replica:g}"]

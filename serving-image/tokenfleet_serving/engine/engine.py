@@ -192,7 +192,8 @@ class LLMEngine:
             grammar = self.compile_structured(params.structured)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                     params.skip_special_tokens)
         if continuation is not None:
             cont_.apply(req, continuation, vocab)
         if grammar is not None:

@@ -66,8 +66,9 @@ class IncrementalDetokenizer:
     constant, and holds back text that ends in an incomplete UTF-8 sequence.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -76,11 +77,12 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         delta = ""
         for tid in token_ids:
-            if tid in self.tokenizer.special_token_ids:
+            if self.skip_special_tokens and tid in self.tokenizer.special_token_ids:
                 continue
             self.ids.append(tid)
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+            skip = self.skip_special_tokens
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+            full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 delta += full[len(prefix):]
                 self.prefix_offset = self.read_offset

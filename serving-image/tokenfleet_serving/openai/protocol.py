@@ -19,7 +19,7 @@ from tokenfleet_serving.engine.sampling_params import MIN_REPETITION_PENALTY, Sa
 
 from . import sampling_fields
 from .errors import ApiError, bad
-from .tools import ToolChoice, parse_tools
+from .tools import ToolChoice, parse_tools, tool_call_output
 
 # ---- the body: bytes -> JSON, within bounds every later step can handle ---------------
 
@@ -377,7 +377,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad(f"{at}.function.arguments", "must be a JSON object encoded as a string") from None
         if not isinstance(arguments, dict):
             raise bad(f"{at}.function.arguments", "must encode a JSON object")
@@ -457,6 +457,11 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("top_logprobs", "requires 'logprobs' to be true")
     logprobs = (top or 0) if want_logprobs else None
     tools = parse_tools(body)
+    if tools is not None and tools.constrained:
+        if "structured" in sampling:
+            raise bad("tool_choice", f"{tools.mode!r} constrains the output to tool calls, which cannot be combined "
+                                     "with response_format or structured_outputs")
+        sampling["structured"] = tool_call_output(tools)
     documents, add_generation_prompt, template_kwargs = _template_inputs(body)
     req = GenerationRequest("chat", model, None, None, messages, stream, include_usage,
                             max_tokens, sampling, logprobs, *_extensions(body), tools=tools, documents=documents,

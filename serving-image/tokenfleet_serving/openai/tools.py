@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet_serving.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
+
 from .errors import bad
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -142,3 +144,15 @@ def tool_call_schema(choice: ToolChoice) -> dict:
     if not choice.parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def tool_call_output(choice: ToolChoice) -> StructuredOutputSpec:
+    """What the engine constrains a required or named tool choice's output to: :func:`tool_call_schema`,
+    strict (every JSON-schema keyword enforced) when every function says ``strict: true``, else lenient
+    (keywords the grammar library does not implement are not enforced). A schema it cannot take is a 400
+    naming ``tool_choice``."""
+    strict = all(t["function"].get("strict") is True for t in choice.tools)
+    try:
+        return StructuredOutputSpec.json_schema(tool_call_schema(choice), strict=strict, param="tool_choice")
+    except StructuredOutputError as e:
+        raise bad("tool_choice", e.message) from None

@@ -17,6 +17,12 @@ stream, with the first stream's ``id`` and ``created``, so the client sees one u
 - ``usage`` is the continuing backend's: the prompt, every output token (delivered ones included), and the
   cached prompt tokens of the backend that finished the request;
 - ``logprobs`` continue too (each token's from the backend that produced it).
+- constrained streams (``response_format``, ``structured_outputs``, ``tool_choice`` required or named)
+  continue with the grammar state restored from the delivered tokens (the engine replays them through it);
+- tool-call streams (``tools``) continue too: their chunks carry, next to the token ids, the text those ids
+  decode to (``output_text``, stripped like the ids), which is what the continuation's ``delivered_text``
+  holds; the continuing server takes that text into its tool-call parser again without sending anything,
+  so the client gets the rest of the content and the calls, numbered on from where the first stream left.
 
 A request is continued at most ``migrationLimit`` times (router.json; default 3). A stream that cannot be
 continued ends, after everything already relayed, with one OpenAI error event and ``[DONE]``:
@@ -96,20 +102,25 @@ class StreamState:
         ids = choice.get("token_ids")
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else None
         text = choice.get("text") if delta is None else delta.get("content")
+        # a tool-call answer's chunks also say the text their token ids decode to, apart from what the client
+        # sees (the content and tool_calls parsed out of it): that text is what a continuation takes in again
+        output_text = choice.get("output_text")
+        delivered = output_text if isinstance(output_text, str) else text
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             self.token_ids += ids
-        elif text:
+        elif delivered:
             self.unmigratable = self.unmigratable or "the backend does not report the token ids of its output"
-        if isinstance(text, str):
-            self.text.append(text)
+        if isinstance(delivered, str):
+            self.text.append(delivered)
         if choice.get("finish_reason") is not None:
             self.finished = True
         if self.continuing and delta is not None and delta.get("role") and not delta.get("content"):
             return None                                     # the client had the opening chunk already
         if ids is not None and not self.client_wants_token_ids:
             del choice["token_ids"]
+            choice.pop("output_text", None)
             if (not text and choice.get("finish_reason") is None and not choice.get("logprobs")
-                    and not (delta and delta.get("role"))):
+                    and not (delta and (delta.get("role") or delta.get("tool_calls")))):
                 return None                                 # it was there only for its token ids
         return obj
 

@@ -32,7 +32,8 @@ def carries_output(obj: dict[str, Any]) -> bool:
     for choice in obj.get("choices") or []:
         if not isinstance(choice, dict):
             continue
-        if (choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("token_ids")
+        delta = choice.get("delta") or {}
+        if (choice.get("text") or delta.get("content") or delta.get("tool_calls") or choice.get("token_ids")
                 or choice.get("finish_reason")):
             return True
     return False

@@ -28,6 +28,8 @@ from tokenfleet_serving.openai import protocol as P
 from tokenfleet_serving.openai.errors import ApiError, error_body
 from tokenfleet_serving.openai.prompt import prompt_token_ids
 from tokenfleet_serving.openai.sse import DONE_EVENT, sse_event
+from tokenfleet_serving.openai.tool_calls import apply_tool_calls, finish_reason, tool_call_stream, tool_output_parser
+from tokenfleet_serving.openai.tool_parsers import ToolParser
 
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
@@ -56,6 +58,7 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S       # the whole body, from the end of the headers
     engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
+    tool_call_parser: str | None = None                 # reads tool calls for tool_choice auto (openai/tool_parsers)
 
 
 class Server:
@@ -330,8 +333,11 @@ class Server:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
                                   f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
+        tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser)
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
+        if tool_parser is not None and tool_parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
+            req.sampling["skip_special_tokens"] = False      # the parser reads the call markers
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # n > 1: one engine request per choice; the later ones take the prompt's KV from the first's
@@ -347,7 +353,8 @@ class Server:
         except BaseException:
             self._abort(rids[:len(streams)])
             raise
-        runs = [_Run(self, erid, req, RequestTimer(arrival), index=i) for i, erid in enumerate(rids)]
+        runs = [_Run(self, erid, req, RequestTimer(arrival), index=i, tool_parser=tool_parser)
+                for i, erid in enumerate(rids)]
         for run in runs:
             run.running_usage = P.usage(len(ids), 0, 0)
         try:
@@ -386,9 +393,11 @@ class RequestFailedError(RuntimeError):
 class _Run:
     """One request's journey from engine outputs to the HTTP response."""
 
-    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer, index: int = 0):
+    def __init__(self, server: Server, rid: str, req: P.GenerationRequest, timer: RequestTimer, index: int = 0,
+                 tool_parser: ToolParser | None = None):
         self.server, self.rid, self.req, self.timer = server, rid, req, timer
         self.index = index                    # the choice this run answers (n > 1)
+        self.tool_parser = tool_parser        # reads tool calls out of the text (openai/tool_calls.py)
         self.running_usage: dict | None = None     # usage so far (stream_options.continuous_usage_stats)
         self.model, self.created = req.model, P.now()
         self.finished = False
@@ -450,6 +459,8 @@ class _Run:
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
+        if self.tool_parser is not None and self.req.tools is not None:
+            apply_tool_calls(body["choices"][0], "".join(text), self.tool_parser, self.req.tools)
         if self.req.return_token_ids:
             body["choices"][0]["token_ids"] = token_ids
         return body
@@ -465,6 +476,11 @@ class _Run:
             await send(chunk)
 
         with_ids = self.req.return_token_ids
+        tools = self.req.tools
+        tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
+        if tool_stream is not None and self.req.continuation is not None:
+            # the client has what another replica's stream made of this text: take it in again, silently
+            tool_stream.push(self.req.continuation.delivered_text)
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
             await send_chunk(P.chat_chunk(response_id, self.model, self.created, {"role": "assistant", "content": ""},
                                           None))
@@ -472,6 +488,19 @@ class _Run:
             if not out.text_delta and not out.finished and not out.logprobs and not (with_ids and out.new_token_ids):
                 continue
             lp = self._logprobs(out)
+            if tool_stream is not None:     # content and tool-call deltas, then (as OpenAI) why it ended, alone
+                deltas = tool_stream.push(out.text_delta, final=out.finished)
+                if out.finished or not deltas:
+                    deltas.append({})
+                reason = finish_reason(out.finish_reason, tool_stream.calls, tools)
+                for i, delta in enumerate(deltas):
+                    chunk = P.chat_chunk(response_id, self.model, self.created, delta,
+                                         reason if i == len(deltas) - 1 else None, lp if i == 0 else None)
+                    if with_ids:      # and the text they decode to, which a continuation needs (router/migration.py)
+                        chunk["choices"][0]["token_ids"] = out.new_token_ids if i == 0 else []
+                        chunk["choices"][0]["output_text"] = out.text_delta if i == 0 else ""
+                    await send_chunk(chunk)
+                continue
             if chat:
                 delta = {"content": out.text_delta} if out.text_delta else {}
                 chunk = P.chat_chunk(response_id, self.model, self.created, delta, out.finish_reason, lp)

@@ -77,7 +77,8 @@ def config_from_args(args: ServeArgs):
                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm)
+                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
+                        tool_call_parser=args.tool_call_parser)
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
@@ -144,6 +145,8 @@ def read_ahead(model_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = ServeArgs.from_cli_args(parser.parse_args(argv))
+    if args.problem() is not None:
+        parser.error(args.problem())
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.load_format == "mmap":        # before torch is imported: the disk works while Python does

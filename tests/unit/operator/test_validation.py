@@ -191,3 +191,23 @@ def test_warm_restart_needs_the_bundled_server():
     assert problem.reason == "NotInServingImage" and "bundled serving image" in problem.message
     spec = InferenceServiceSpec.model_validate(isvc_body(**warm)["spec"])
     assert not [p for p in check_inference_service(spec) if p.field == "spec.warmRestart.enabled"]
+
+
+def test_tool_call_parser_reaches_the_server_and_unknown_ones_are_problems_for_the_bundled_image():
+    from tokenfleet_operator.builders.inference_service import engine_args
+    from tokenfleet_serving.serve_args import parse_serve_args
+
+    spec = InferenceServiceSpec.model_validate(isvc_body(engine={"toolCallParser": "hermes"})["spec"])
+    assert check_inference_service(spec) == []
+    assert parse_serve_args(engine_args(spec, "/models")[2:]).tool_call_parser == "hermes"
+    spec = InferenceServiceSpec.model_validate(isvc_body(engine={"toolCallParser": "pythonic"})["spec"])
+    [problem] = check_inference_service(spec)
+    assert (problem.reason, problem.field) == ("NotInServingImage", "spec.engine.toolCallParser")
+    assert "hermes, llama3_json, mistral" in problem.message
+    other = isvc_body(image="vllm/vllm-openai:v0.11.0", engine={"toolCallParser": "pythonic"})
+    assert check_inference_service(InferenceServiceSpec.model_validate(other["spec"])) == []
+    # extraArgs may not change what the field sets
+    spec = InferenceServiceSpec.model_validate(
+        isvc_body(engine={"toolCallParser": "hermes", "extraArgs": ["--tool-call-parser", "mistral"]})["spec"])
+    [problem] = check_inference_service(spec)
+    assert problem.reason == "InvalidEngineArgs" and "spec.engine.toolCallParser" in problem.message

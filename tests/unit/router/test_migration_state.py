@@ -83,3 +83,20 @@ def test_events_on_the_wire():
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert json.loads(event[6:]) == {"error": {"message": "gone", "type": "bad_gateway", "param": None, "code": 502}}
     assert is_done(b"data: [DONE]\n\n") and not is_done(b"data: {}\n\n")
+
+
+def test_a_tool_call_stream_keeps_the_generated_text_and_relays_the_calls():
+    """A tool-call chunk's visible delta is parsed output; its output_text is what the token ids decode to: the
+    continuation needs the latter, the client sees neither output_text nor token ids (unless it asked)."""
+    state = StreamState(client_wants_token_ids=False)
+    held = {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {}, "finish_reason": None,
+                                                  "token_ids": [5, 6], "output_text": "<tool_call>{"}]}
+    assert state.accept(held) is None                       # nothing visible yet: dropped
+    call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chunk = {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None,
+                                                   "token_ids": [7], "output_text": "}</tool_call>"}]}
+    relayed = state.accept(chunk)
+    assert relayed["choices"][0] == {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}
+    assert state.token_ids == [5, 6, 7] and state.delivered_text == "<tool_call>{}</tool_call>"
+    assert state.continuation_body({"model": "m"})["continuation"] == {
+        "output_token_ids": [5, 6, 7], "delivered_text": "<tool_call>{}</tool_call>"}

@@ -151,3 +151,11 @@ def test_template_inputs_are_checked(body, param):
     with pytest.raises(ApiError) as err:
         P.parse_chat(chat_body([{"role": "user", "content": "x"}], **body))
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_tool_call_arguments_nested_past_the_stack_are_a_400():
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ApiError) as err:
+        P.parse_chat(chat_body([{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}]))
+    assert err.value.param == "messages[0].tool_calls[0].function.arguments"
