@@ -98,6 +98,8 @@ def measure_batch(engine: LLMEngine, vocab: int, batch: int, rounds: int, spec: 
         tpots, tokens, wall, _, _ = run_batch(engine, prompts, free)
         free_tpot.append(statistics.mean(tpots))
         free_tps.append(tokens / wall)
+        print(f"batch {batch}, round {r + 1}/{rounds}: TPOT json {json_tpot[-1] * 1e3:.2f} ms, free "
+              f"{free_tpot[-1] * 1e3:.2f} ms", flush=True)
     j, f = statistics.median(json_tpot), statistics.median(free_tpot)
     return {"json_schema_tpot_s": j, "free_tpot_s": f, "tpot_ratio": j / f,
             "json_schema_output_tok_s": statistics.median(json_tps), "free_output_tok_s": statistics.median(free_tps),

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
+PARALLEL_FROM = 4          # constrained rows from which the masks are computed on llguidance's thread pool
 _executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -24,6 +25,10 @@ def fill_bitmask(matchers: list[LLMatcher], vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(vocab/32)] int32: bit j of word w set when token 32*w + j may come next."""
     bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     row_bytes = bitmask.shape[1] * 4
+    if len(matchers) < PARALLEL_FROM:       # a few rows: cheaper here than waking the executor's threads
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
+        return bitmask
     executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes,
                                        len(matchers))
     return bitmask
