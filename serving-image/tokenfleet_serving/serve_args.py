@@ -135,6 +135,12 @@ class ServeArgs:
         False, action="store_true",
         help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto; this flag "
              "needs it")
+    structured_output_timeout: float = _flag(
+        10.0, type=_positive_float,
+        help="seconds a request's grammar (response_format, structured_outputs, a required tool choice) may take "
+             "to compile, on a worker thread; then the request is a 400 and the engine serves on")
+    structured_output_cache_size: int = _flag(256, type=positive_int,
+                                              help="compiled grammars kept, least recently used dropped first")
     load_format: str = _flag(
         "mmap", choices=("mmap", "read"),
         help="mmap: the weight files are read ahead from the process start (while torch is imported) and "

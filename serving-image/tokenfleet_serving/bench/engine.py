@@ -67,6 +67,15 @@ def sequence_flops(c: ModelConfig, prompt_len: int, output_len: int, cached: int
             + output_len * lm_head_flops(c))
 
 
+def reference_checkpoint(model: Path | None, seed: int) -> tuple[Path, tempfile.TemporaryDirectory | None]:
+    """``model``, or else the random reference model written to a temporary directory (the caller cleans it up)."""
+    if model is not None:
+        return model, None
+    from ..testing_models import create_random_checkpoint
+    tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-bench-")
+    return create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=seed), tmp
+
+
 # ---- hardware ----------------------------------------------------------------
 def measure_matmul_flops(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
     """Best sustained fp32 FLOP/s of an n x n x n matmul on this machine, right now, per implementation:
@@ -244,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_argument(ap, "W1 throughput side by side (transformers, the engine, each dtype, the roofline) and W3's TTFT")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or usable_cpus())
-    tmp = None
-    model_dir = args.model
-    if model_dir is None:
-        from ..testing_models import create_random_checkpoint
-        tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-bench-")
-        model_dir = create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=args.seed)
+    model_dir, tmp = reference_checkpoint(args.model, args.seed)
     config = load_config(model_dir)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from ..engine import LLMEngine, SamplingParams
 from ..engine.engine import usable_cpus
 from ..engine.structured import StructuredOutputSpec
-from .engine import REFERENCE, hardware
+from .engine import hardware, reference_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -51,9 +50,36 @@ SCHEMA = {
 }
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
-              ) -> tuple[list[float], int, float, list[str], list[int]]:
-    """(TPOT per request, output tokens, decode wall seconds, texts, output lengths)."""
+class SamplerClock:
+    """Seconds the engine spends in ``sample()`` (where the mask is filled and applied), and the steps: the
+    difference between a constrained and a free run over the same steps is the mask's own cost, which a
+    loaded host inflates no more than it inflates the step it is compared with."""
+
+    def __init__(self) -> None:
+        from ..engine import engine as engine_module
+
+        self.module, self.inner = engine_module, engine_module.sample
+        self.seconds, self.calls = 0.0, 0
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.calls += 1
+        engine_module.sample = timed
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], clock: SamplerClock
+              ) -> tuple[list[float], int, float, list[str], list[int], float]:
+    """(TPOT per request, output tokens, decode wall seconds, texts, output lengths, sampler seconds per step)."""
+    clock.take()
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params):
         engine.add_request(rid, prompt, p)
@@ -72,20 +98,22 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
             text[o.request_id] += o.text_delta
     tpots = [(last[r] - first[r]) / (count[r] - 1) for r in ids if count[r] > 1]
     wall = max(last.values()) - min(first.values())
-    return tpots, sum(count.values()), wall, [text[r] for r in ids], [count[r] for r in ids]
+    sampler_seconds, steps = clock.take()
+    return (tpots, sum(count.values()), wall, [text[r] for r in ids], [count[r] for r in ids],
+            sampler_seconds / max(steps, 1))
 
 
 def measure_batch(engine: LLMEngine, vocab: int, batch: int, rounds: int, spec: StructuredOutputSpec,
-                  max_tokens: int, valid: list[bool]) -> dict:
+                  max_tokens: int, valid: list[bool], clock: SamplerClock) -> dict:
     import jsonschema
 
     g = torch.Generator().manual_seed(batch)
-    json_tpot, free_tpot, json_tps, free_tps = [], [], [], []
+    json_tpot, free_tpot, json_tps, free_tps, overhead = [], [], [], [], []
     for r in range(rounds):
         prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(batch)]
         constrained = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * r + i, structured=spec)
                        for i in range(batch)]
-        tpots, tokens, wall, texts, lengths = run_batch(engine, prompts, constrained)
+        tpots, tokens, wall, texts, lengths, json_sampler = run_batch(engine, prompts, constrained, clock)
         json_tpot.append(statistics.mean(tpots))
         json_tps.append(tokens / wall)
         for t in texts:
@@ -96,13 +124,20 @@ def measure_batch(engine: LLMEngine, vocab: int, batch: int, rounds: int, spec: 
                 valid.append(False)
         free = [SamplingParams(max_tokens=n, temperature=1.0, seed=1000 * r + i, ignore_eos=True)
                 for i, n in enumerate(lengths)]
-        tpots, tokens, wall, _, _ = run_batch(engine, prompts, free)
+        tpots, tokens, wall, _, _, free_sampler = run_batch(engine, prompts, free, clock)
         free_tpot.append(statistics.mean(tpots))
+        overhead.append((json_sampler - free_sampler) / free_tpot[-1])
         free_tps.append(tokens / wall)
+        print(f"batch {batch}, round {r + 1}/{rounds}: TPOT json {json_tpot[-1] * 1e3:.2f} ms, free "
+              f"{free_tpot[-1] * 1e3:.2f} ms; sample() per step json {json_sampler * 1e3:.3f} ms, free "
+              f"{free_sampler * 1e3:.3f} ms", flush=True)
     j, f = statistics.median(json_tpot), statistics.median(free_tpot)
     return {"json_schema_tpot_s": j, "free_tpot_s": f, "tpot_ratio": j / f,
             "json_schema_output_tok_s": statistics.median(json_tps), "free_output_tok_s": statistics.median(free_tps),
-            "tpot_ratio_by_round": [a / b for a, b in zip(json_tpot, free_tpot)]}
+            "tpot_ratio_by_round": [a / b for a, b in zip(json_tpot, free_tpot)],
+            # the mask's cost in sample() per step, as a fraction of a free step: 1 + this is the TPOT ratio the
+            # mask alone accounts for, measured on the same steps (robust to a host whose load moves)
+            "mask_overhead_fraction": statistics.median(overhead)}
 
 
 def measure_compile(model_dir: Path, engine: LLMEngine, spec: StructuredOutputSpec, repeats: int) -> dict:
@@ -164,12 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_argument(ap, "TPOT and output tokens/s, constrained vs free, at batch 1 and 16")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or usable_cpus())
-    tmp = None
-    model_dir = args.model
-    if model_dir is None:
-        from ..testing_models import create_random_checkpoint
-        tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-bench-")
-        model_dir = create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=args.seed)
+    model_dir, tmp = reference_checkpoint(args.model, args.seed)
     engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", kv_cache_bytes=1 << 30,
                                        num_threads=args.threads)
     spec = StructuredOutputSpec.json_schema(SCHEMA, strict=True)
@@ -179,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.model_config.vocab_size
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured=spec))           # warm-up
     valid: list[bool] = []
+    clock = SamplerClock()
     for batch in (1, 16):
-        result[f"batch{batch}"] = measure_batch(engine, vocab, batch, args.rounds, spec, args.max_tokens, valid)
+        result[f"batch{batch}"] = measure_batch(engine, vocab, batch, args.rounds, spec, args.max_tokens, valid, clock)
         result[f"json_schema_tpot_ratio_batch{batch}"] = result[f"batch{batch}"]["tpot_ratio"]
     result["schema_valid_fraction"] = sum(valid) / len(valid)
     result["constrained_outputs"] = len(valid)
@@ -191,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{result[f'batch{b}']['free_tpot_s'] * 1e3:.2f}") for b in (1, 16)),
             *((f"batch {b}: output tok/s json / free", f"{result[f'batch{b}']['json_schema_output_tok_s']:.1f} / "
                f"{result[f'batch{b}']['free_output_tok_s']:.1f}") for b in (1, 16)),
+            *((f"batch {b}: mask cost / free step", result[f"batch{b}"]["mask_overhead_fraction"]) for b in (1, 16)),
             ("grammar compile, cold (ms)", result["grammar_compile_seconds_cold"] * 1e3),
             ("grammar compile, cached (ms)", result["grammar_compile_seconds_cached"] * 1e3),
             ("schema_valid_fraction", result["schema_valid_fraction"])]

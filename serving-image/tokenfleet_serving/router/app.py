@@ -399,6 +399,8 @@ class Router:
             client_wants_usage = ask_for_usage(body)
             # token ids let the router continue the stream elsewhere if its backend fails (migration.py)
             stream = StreamState(client_wants_token_ids=body.get("return_token_ids") is True)
+            if body.get("n") not in (None, 1):       # n choices: one continuation cannot carry them all
+                stream.unmigratable = "the request streams several choices (n > 1)"
             body["return_token_ids"] = True
             changed = True
         if self.tokenizer is not None and isinstance(body, dict):

@@ -87,7 +87,9 @@ def config_from_args(args: ServeArgs):
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
                           quantization=args.quantization, speculative=speculative_config(args),
                           load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
-                          model_revision=args.model_revision)
+                          model_revision=args.model_revision,
+                          structured_output_timeout_s=args.structured_output_timeout,
+                          structured_output_cache_size=args.structured_output_cache_size)
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,

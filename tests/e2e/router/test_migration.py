@@ -239,6 +239,35 @@ def test_a_request_that_finds_no_ready_replica_waits_for_one(fleet):
     assert usage_of(result["events"])["completion_tokens"] == 40
 
 
+def test_a_constrained_stream_continues_with_its_grammar_state(fleet):
+    """The continuation replays the delivered tokens through the request's grammar on the new backend: the
+    client gets the seeded run's document, token for token, and it validates."""
+    import jsonschema
+
+    router = fleet["routers"]["main"]
+    extra = {"temperature": 1.0, "seed": 11, "max_tokens": 200, "ignore_eos": False,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}}
+    ref = reference(fleet, "chat", **extra)
+    plan_everywhere(fleet, "cut", after=4)
+    status, _, events = stream_events(router.base_url, path("chat"), body("chat", return_token_ids=True, **extra))
+    assert status == 200 and events[-1] == "[DONE]" and applied(fleet)
+    assert not [e for e in events if isinstance(e, dict) and "error" in e]
+    assert ids_of(events) == ids_of(ref) and text_of(events) == text_of(ref)
+    jsonschema.validate(json.loads(text_of(events)), SCHEMA)
+
+
+def test_a_stream_of_several_choices_passes_through_and_fails_cleanly_when_broken(fleet):
+    router = fleet["routers"]["main"]
+    status, _, events = stream_events(router.base_url, path("completion"), body("completion", n=2, max_tokens=6))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert {c["choices"][0]["index"] for c in chunks(events)} == {0, 1}
+    plan_everywhere(fleet, "cut", after=3)
+    status, _, events = stream_events(router.base_url, path("completion"), body("completion", n=2))
+    *_, error, done = events
+    assert done == "[DONE]" and error["error"]["code"] == 502
+    assert "several choices (n > 1)" in error["error"]["message"]
+
+
 def test_a_backend_killed_in_the_middle_of_a_stream(fleet):
     """Last: it kills a backend. The proxy holds the stream after 4 events, the test SIGKILLs the backend
     process behind it, and the client's stream goes on elsewhere."""
@@ -259,3 +288,9 @@ def test_a_backend_killed_in_the_middle_of_a_stream(fleet):
     assert text_of(result["events"]) == text_of(ref)
     assert usage_of(result["events"])["completion_tokens"] == 40
     assert result["headers"]["x-tokenfleet-backend"] == name
+
+
+SCHEMA = {"type": "object", "properties": {
+    "tier": {"type": "string", "enum": ["gold", "silver"]},
+    "zones": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["a", "b", "c"]}},
+    "ready": {"type": "boolean"}}, "required": ["tier", "zones", "ready"], "additionalProperties": False}

@@ -123,3 +123,28 @@ def test_completion_only_fields_keep_their_400(live_server):
         status, _, raw = http("POST", f"{live_server.base_url}/v1/completions",
                               {"model": MODEL_NAME, "prompt": "x", field: value}, AUTH)
         assert status == 400 and json.loads(raw)["error"]["param"] == field
+
+
+def test_a_grammar_past_its_time_bound_is_a_400_and_the_engine_serves_on(tiny_model):
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from harness.server import ThreadServer, server_config
+
+    cfg = server_config(tiny_model)
+    srv = ThreadServer(replace(cfg, engine=replace(cfg.engine, structured_output_timeout_s=1e-4)))
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        big = {"type": "object", "properties": {f"k{i}": {"type": "array", "items": SCHEMA} for i in range(30)}}
+        with ThreadPoolExecutor(1) as pool:
+            free = pool.submit(client.completions.create, model=MODEL_NAME, prompt="the fleet", max_tokens=8,
+                               temperature=0, extra_body={"ignore_eos": True})
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=20,
+                                               response_format={"type": "json_schema", "json_schema": {
+                                                   "name": "big", "schema": big}})
+            assert e.value.param == "response_format" and "did not compile within" in e.value.message
+            assert free.result().usage.completion_tokens == 8
+        assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        srv.stop()
