@@ -348,13 +348,22 @@ class Router:
         if self.draining:
             return error_response(503, "the router is shutting down", retry_after=True)
         session = self._session_id(request)
-        if not self.fleet.routable() and not self._may_hold(request.content_length or 0):
-            # it could not be held: answered before its body is read (a miss: the fleet has no room for it)
-            timing = Timing(self.fleet.clock(), stream=False)
-            timing.finished = timing.arrived
-            self.metrics.observe(timing, False, False)
-            return self._no_backend(self.config.tiers[-1].name)
-        raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
+        reserved = 0
+        if not self.fleet.routable():
+            # it will be held: a declared body's bytes count from now on, so that no more bodies are read at
+            # once than may be held; one that could not be held is answered before its body is read (a miss:
+            # the fleet has no room for it)
+            if not self._may_hold(request.content_length or 0):
+                timing = Timing(self.fleet.clock(), stream=False)
+                timing.finished = timing.arrived
+                self.metrics.observe(timing, False, False)
+                return self._no_backend(self.config.tiers[-1].name)
+            reserved = request.content_length or 0
+        self.held_bytes += reserved
+        try:
+            raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
+        finally:
+            self.held_bytes -= reserved
         # what the server would refuse as a body, the router refuses alike
         ctx = _Request(path, raw, parse_json_body(raw), session_key=session)
         del raw
