@@ -13,7 +13,7 @@ import pytest
 
 from harness import hostile
 from harness.rawhttp import connect, read_reply
-from harness.router import MODEL_NAME, ROUTER_KEY, http, metric_samples, start_backend, start_router, wait_until
+from harness.router import MODEL_NAME, ROUTER_KEY, http, metric_samples, start_backend, start_router, wait_routable, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -97,18 +97,13 @@ def pair(tiny_model, tmp_path_factory):
             for n, p in backends.items()]))
         router = start_router(d / "router.json", "--backend-api-key", ROUTER_KEY, "--stall-timeout", str(STALL_S),
                               "--max-sessions", "100")
-        wait_until(lambda: metric_samples(router.base_url).get("tokenfleet_router_backends{state=routable}") == 2,
-                   60, what="two routable backends")
+        wait_routable(router, 2)
         yield {"router": router, "backends": backends}
     finally:
         if router is not None:
             router.kill()
         for p in backends.values():
             p.kill()
-
-
-def _routable(router) -> float:
-    return metric_samples(router.base_url).get("tokenfleet_router_backends{state=routable}", 0)
 
 
 def _open_stream(router, max_tokens: int):
@@ -134,7 +129,7 @@ def test_a_backend_frozen_mid_stream_loses_its_stream_to_another_backend(pair):
     and answered no poll for the stall timeout, the stream continues on the other backend, and new requests go
     there too while it stays frozen."""
     router, backends = pair["router"], pair["backends"]
-    wait_until(lambda: _routable(router) == 2, 60, what="both backends routable")
+    wait_routable(router, 2)
     before = metric_samples(router.base_url)
     s, serving = _open_stream(router, TOKENS)
     other = next(n for n in backends if n != serving)
@@ -167,14 +162,14 @@ def test_a_backend_frozen_mid_stream_loses_its_stream_to_another_backend(pair):
     after = metric_samples(router.base_url)
     key = "tokenfleet_router_migrations_total{reason=backend-stalled}"
     assert after[key] - before.get(key, 0) == 1
-    wait_until(lambda: _routable(router) == 2, 30, what="the thawed backend routable again")
+    wait_routable(router, 2, 30)                   # the thawed backend is back
 
 
 def test_a_request_waiting_on_a_backend_that_freezes_goes_to_another(pair):
     """A request routed to a backend that froze before it answered (here: pinned there by its session) is sent
     to the other backend once the stall timeout has passed, instead of waiting for ever."""
     router, backends = pair["router"], pair["backends"]
-    wait_until(lambda: _routable(router) == 2, 60, what="both backends routable")
+    wait_routable(router, 2)
     session = {"X-Session-Id": "frozen-session"}
     body = {"model": MODEL_NAME, "prompt": "pinned", "max_tokens": 2}
     status, headers, _ = http("POST", f"{router.base_url}/v1/completions", body, session)
@@ -186,7 +181,7 @@ def test_a_request_waiting_on_a_backend_that_freezes_goes_to_another(pair):
     assert status == 200, raw[:200]
     assert headers["x-tokenfleet-backend"] != pinned
     assert took < STALL_S + 15
-    wait_until(lambda: _routable(router) == 2, 30, what="the thawed backend routable again")
+    wait_routable(router, 2, 30)                   # the thawed backend is back
 
 
 def test_many_long_session_ids_keep_the_session_table_bounded(pair):
@@ -194,7 +189,7 @@ def test_many_long_session_ids_keep_the_session_table_bounded(pair):
     (400 naming the header); the table keeps at most --max-sessions (100 here) and forgets the least recently
     used."""
     router = pair["router"]
-    wait_until(lambda: _routable(router) == 2, 60, what="both backends routable")
+    wait_routable(router, 2)
     body = {"model": MODEL_NAME, "prompt": "s", "max_tokens": 1}
     status, _, raw = http("POST", f"{router.base_url}/v1/completions", body, {"X-Session-Id": "s" * 8192})
     assert status == 400 and json.loads(raw)["error"]["param"] == "x-session-id"
