@@ -12,18 +12,31 @@ read timeouts answer), or send part and hang up. Cases are drawn from families:
 - ``http``: malformed requests aiohttp refuses itself, odd methods and paths, oversized and chunked bodies,
   pipelining, a head or body that stops arriving, clients that hang up;
 - ``auth``: missing or wrong keys;
+- ``headers``: header values with bytes that are not ASCII (in ``Authorization``, the session header and others),
+  long and many distinct session ids, gzip and deflate bodies, and a gzip body that decodes past the limit
+  (issue 37);
 - ``canary``: plain valid requests whose answer is known (200, so many tokens).
 
 ``check`` returns what is wrong with an answer (nothing, for a good one): any 5xx but a 503 during
 drain, an error body that is not OpenAI's shape or whose code is not the status, a 200 whose body is not
 a completion, a stream whose events do not parse or end with ``[DONE]``, or no answer where one is due.
+
+For the cases that need a fleet in a given state (issue 37): ``large_body`` (held requests with large
+bodies while no replica is ready), ``rss_bytes`` (what a process holds), ``frozen`` (a backend SIGSTOPped for
+a while, as a hung node would be).
 """
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
+import os
 import random
+import signal
 import socket
 import time
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from harness.rawhttp import MALFORMED, RawReply, connect, read_reply
@@ -278,6 +291,64 @@ def _auth_case(rng: random.Random, headers: dict[str, str]) -> Case:
                 expect={401, 404})
 
 
+NON_ASCII = ["\xff", "Bearer \xff\xfe", "caf\xe9", "\xc3\x28", "\xed\xa0\x80", "a\x80b", "\xf0\x9f\x98\x80"]
+SESSION_HEADER = "X-Session-Id"
+
+
+def _headers_case(rng: random.Random, headers: dict[str, str]) -> Case:
+    """Issue 37: headers with bytes that are not ASCII (sent as latin-1, byte for byte), session ids long and
+    many, compressed bodies."""
+    body = {"model": MODEL, "prompt": f"header case {rng.randrange(10**6)}", "max_tokens": rng.randint(1, 3)}
+    raw = json.dumps(body).encode()
+    variants = {
+        "non-ascii authorization": lambda: ({"Authorization": rng.choice(NON_ASCII)}, raw, {401}),
+        "non-ascii bearer": lambda: ({"Authorization": "Bearer " + rng.choice(NON_ASCII)}, raw, {401}),
+        "non-ascii session": lambda: (dict(headers, **{SESSION_HEADER: rng.choice(NON_ASCII)}), raw, set()),
+        "non-ascii other header": lambda: (dict(headers, **{rng.choice(["X-Trace", "User-Agent", "Accept",
+                                                                       "Content-Type"]): rng.choice(NON_ASCII)}),
+                                           raw, set()),
+        "session 256": lambda: (dict(headers, **{SESSION_HEADER: f"{rng.randrange(10**9):09d}" + "s" * 247}), raw,
+                                set()),
+        "session 257": lambda: (dict(headers, **{SESSION_HEADER: "s" * 257}), raw, set()),
+        "session 8 KB": lambda: (dict(headers, **{SESSION_HEADER: "s" * 8000}), raw, set()),
+        "gzip body": lambda: (dict(headers, **{"Content-Encoding": "gzip"}), gzip.compress(raw), {200}),
+        "deflate body": lambda: (dict(headers, **{"Content-Encoding": "deflate"}), zlib.compress(raw), {200}),
+        "gzip bomb": lambda: (dict(headers, **{"Content-Encoding": "gzip"}),
+                              gzip.compress(json.dumps(body | {"prompt": "a" * (8 * 2**20)}).encode()), {413}),
+        "gzip claimed, deflate sent": lambda: (dict(headers, **{"Content-Encoding": "gzip"}), zlib.compress(raw),
+                                               {400}),
+    }
+    name = rng.choice(sorted(variants))
+    h, data, expect = variants[name]()
+    return Case("headers", name, request_bytes("POST", COMPLETIONS, data, h), expect=expect)
+
+
+def large_body(size: int, headers: dict[str, str], *, stream: bool = False) -> bytes:
+    """A valid completion request whose body is ``size`` bytes (a long prompt), as raw HTTP."""
+    empty = json.dumps({"model": MODEL, "prompt": "", "max_tokens": 1, "stream": stream}).encode()
+    body = empty.replace(b'"prompt": ""', b'"prompt": "' + b"w" * (size - len(empty)) + b'"')
+    return request_bytes("POST", COMPLETIONS, body, dict(headers, **{"Content-Type": "application/json"}))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process is stopped (SIGSTOP: its sockets stay open, it answers nothing) until the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def canary(rng: random.Random, headers: dict[str, str]) -> Case:
     n = rng.randint(1, 5)
     stream = rng.random() < 0.5
@@ -336,8 +407,8 @@ def _tools_case(rng: random.Random, headers: dict[str, str]) -> Case:
                 stream=bool(body.get("stream") is True))
 
 
-FAMILIES = [(_json_case, 0.40), (_sampling_case, 0.23), (_body_case, 0.12), (_http_case, 0.11), (_auth_case, 0.04),
-            (_tools_case, 0.10)]
+FAMILIES = [(_json_case, 0.36), (_sampling_case, 0.21), (_body_case, 0.11), (_http_case, 0.10), (_auth_case, 0.04),
+            (_headers_case, 0.08), (_tools_case, 0.10)]
 
 
 def generate(seed: int, n: int, headers: dict[str, str], *, canary_every: int = 20, big_bodies: int = 2) -> list[Case]:

@@ -74,6 +74,15 @@ def start_backend(model: Path, *args: str) -> Process:
     return p
 
 
+def routable(router: Process) -> float:
+    """How many backends the router would route to now."""
+    return metric_samples(router.base_url).get("tokenfleet_router_backends{state=routable}", 0)
+
+
+def wait_routable(router: Process, n: int, timeout: float = 60) -> None:
+    wait_until(lambda: routable(router) == n, timeout, what=f"{n} routable backends")
+
+
 def start_router(config_path: Path, *args: str) -> Process:
     cmd = [sys.executable, "-m", "tokenfleet_serving.router.main", "--config", str(config_path),
            "--host", "127.0.0.1", "--port", "0", "--poll-interval", "0.25", *args]

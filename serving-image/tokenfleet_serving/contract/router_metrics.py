@@ -7,7 +7,8 @@ Latencies follow vLLM's and inference-perf's definitions, measured at the router
 request passes: TTFT is from the request's arrival to its first output token; TPOT is
 (end-to-end - TTFT) / (output tokens - 1); end-to-end is arrival to the last byte. A request *meets the
 SLO* when its TTFT and its TPOT are within ``spec.slo``'s targets (a target that is not set always holds);
-a request that fails misses it.
+a request that fails through the fleet's fault (5xx, 429, a broken stream, no replica in time) misses it; one
+refused for the client's fault (any other 4xx) counts neither way (``router/observe.py``).
 """
 from __future__ import annotations
 

@@ -88,6 +88,20 @@ RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Length", "Content-Encoding"
                             "X-Request-Id")
 
 
+def arrived_before_the_break(content: aiohttp.StreamReader) -> bytes:
+    """The bytes a response had delivered when its connection broke, not yet read. aiohttp's readers raise the
+    connection's error before they return them (``StreamReader.readany``); they were sent, though, and a
+    stream continued elsewhere must continue after them."""
+    error = content.exception()
+    content._exception = None       # for this one read: aiohttp has no public way to it
+    try:
+        return content.read_nowait()
+    except (RuntimeError, aiohttp.ClientError):
+        return b""
+    finally:
+        content._exception = error
+
+
 class BackendStalledError(Exception):
     """The backend sent nothing and answered no poll for the stall timeout."""
 
@@ -344,13 +358,22 @@ class Router:
         if self.draining:
             return error_response(503, "the router is shutting down", retry_after=True)
         session = self._session_id(request)
-        if not self.fleet.routable() and not self._may_hold(request.content_length or 0):
-            # it could not be held: answered before its body is read (a miss: the fleet has no room for it)
-            timing = Timing(self.fleet.clock(), stream=False)
-            timing.finished = timing.arrived
-            self.metrics.observe(timing, False, False)
-            return self._no_backend(self.config.tiers[-1].name)
-        raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
+        reserved = 0
+        if not self.fleet.routable():
+            # it will be held: a declared body's bytes count from now on, so that no more bodies are read at
+            # once than may be held; one that could not be held is answered before its body is read (a miss:
+            # the fleet has no room for it)
+            if not self._may_hold(request.content_length or 0):
+                timing = Timing(self.fleet.clock(), stream=False)
+                timing.finished = timing.arrived
+                self.metrics.observe(timing, False, False)
+                return self._no_backend(self.config.tiers[-1].name)
+            reserved = request.content_length or 0
+        self.held_bytes += reserved
+        try:
+            raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
+        finally:
+            self.held_bytes -= reserved
         # what the server would refuse as a body, the router refuses alike
         ctx = _Request(path, raw, parse_json_body(raw), session_key=session)
         del raw
@@ -576,6 +599,8 @@ class Router:
                 log.warning("backend %s broke off a response: %s", backend, exc)
                 self.fleet.mark_failed(backend, f"response broken off: {exc}")
             return response
+        finally:
+            watchdog.cancel()
         if self._stalled(watchdog):
             return response
         timing.finished = self.fleet.clock()
@@ -599,36 +624,18 @@ class Router:
         try:
             async for chunk in upstream.content.iter_any():
                 self.fleet.note_alive(backend)
-                out = []
-                for event in events.feed(chunk):
-                    if is_done(event):
-                        state.done = True
-                        out.append(event)
-                        continue
-                    obj = event_json(event)
-                    if obj is None:
-                        out.append(event)
-                        continue
-                    code = migratable_error(obj)
-                    if code is not None:
-                        if out:
-                            await response.write(b"".join(out))
-                        self.fleet.mark_failed(backend, f"ended a stream with error {code}")
-                        return f"{BACKEND_ERROR}: {code} {str(obj['error'].get('message', ''))[:200]}"
-                    if timing.first_token is None and carries_output(obj):
-                        timing.first_token = self.fleet.clock()
-                    if is_usage_only(obj):
-                        timing.output_tokens = completion_tokens(obj) or timing.output_tokens
-                        if not client_wants_usage:
-                            continue
-                    relayed = state.accept(obj)
-                    if relayed is not None:
-                        out.append(sse_event(relayed))
-                if out:
-                    await response.write(b"".join(out))
+                broken = await self._relay_events(events.feed(chunk), response, backend, timing, client_wants_usage,
+                                                  state)
+                if broken is not None:
+                    return broken
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             if self._stalled(watchdog):
                 return f"{STALLED}: nothing from it, polls included, for {self.stall_timeout_s:g} s"
+            # what arrived before the break was sent: relay it, so the stream continues after it
+            broken = await self._relay_events(events.feed(arrived_before_the_break(upstream.content)), response,
+                                              backend, timing, client_wants_usage, state)
+            if broken is not None or state.done:
+                return broken
             log.warning("backend %s broke off a stream: %s", backend, exc)
             self.fleet.mark_failed(backend, f"response broken off: {exc}")
             return f"{DISCONNECTED}: {type(exc).__name__}"
@@ -639,6 +646,39 @@ class Router:
         if not state.done:
             self.fleet.mark_failed(backend, "closed a stream before its end")
             return f"{DISCONNECTED}: closed before [DONE]"
+        return None
+
+    async def _relay_events(self, events: list[bytes], response: web.StreamResponse, backend: str, timing: Timing,
+                            client_wants_usage: bool, state: StreamState) -> str | None:
+        """Relay whole events of one backend's stream; returns why the stream broke off when one of them is an
+        error event that means the backend is going away (that event is not relayed), else None."""
+        out = []
+        for event in events:
+            if is_done(event):
+                state.done = True
+                out.append(event)
+                continue
+            obj = event_json(event)
+            if obj is None:
+                out.append(event)
+                continue
+            code = migratable_error(obj)
+            if code is not None:
+                if out:
+                    await response.write(b"".join(out))
+                self.fleet.mark_failed(backend, f"ended a stream with error {code}")
+                return f"{BACKEND_ERROR}: {code} {str(obj['error'].get('message', ''))[:200]}"
+            if timing.first_token is None and carries_output(obj):
+                timing.first_token = self.fleet.clock()
+            if is_usage_only(obj):
+                timing.output_tokens = completion_tokens(obj) or timing.output_tokens
+                if not client_wants_usage:
+                    continue
+            relayed = state.accept(obj)
+            if relayed is not None:
+                out.append(sse_event(relayed))
+        if out:
+            await response.write(b"".join(out))
         return None
 
     async def _migrate(self, response: web.StreamResponse, ctx: _Request, state: StreamState, timing: Timing,

@@ -47,7 +47,8 @@ def fleet(tiny_model, tmp_path_factory):
     try:
         (d / "keys").write_text(CLIENT_KEY + "\n")
         (d / "router.json").write_text(json.dumps({"models": [hostile.MODEL], "kvBlockSize": 16,
-                                                   "modelPath": str(tiny_model)}))
+                                                   "modelPath": str(tiny_model),
+                                                   "sessionAffinity": {"enabled": True}}))
 
         class _P:   # endpoints.json wants a port
             port = srv.port

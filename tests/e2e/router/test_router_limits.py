@@ -21,7 +21,7 @@ import zlib
 import pytest
 
 from harness.rawhttp import connect, exchange, read_reply
-from harness.router import MODEL_NAME, ROUTER_KEY, http, metric_samples, start_backend, start_router, wait_until
+from harness.router import MODEL_NAME, ROUTER_KEY, http, metric_samples, start_backend, start_router, wait_routable
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,7 @@ def fleet(tiny_model, tmp_path_factory):
                                                        "port": backend.port, "ready": True}]))
         router = start_router(d / "router.json", "--backend-api-key", ROUTER_KEY, "--client-keys", str(d / "keys"),
                               "--max-body-bytes", str(MAX_BODY))
-        wait_until(lambda: metric_samples(router.base_url).get("tokenfleet_router_backends{state=routable}") == 1,
-                   60, what="a routable backend")
+        wait_routable(router, 1)
         yield {"router": router, "backend": backend}
     finally:
         if router is not None:
