@@ -249,3 +249,36 @@ def test_cuda_ranks_match_one_cpu_rank(checkpoints):
             gpu.close()
         assert (logits - want_logits).abs().max().item() < 1e-3, tp
         assert sum(a == b for a, b in zip(got, want)) >= 7, tp
+
+
+def test_prefix_caching_chunked_prefill_ngram_and_draft_speculation_and_int8_at_tp2(checkpoints):
+    """The engine's levers at tp=2 give tp=1's tokens."""
+    from tokenfleet_serving.engine import SamplingParams
+    from tokenfleet_serving.engine.speculative import SpeculativeConfig
+
+    model = checkpoints["llama"]
+    shared = w1_prompts(512, requests=1, prompt_len=40, seed=11)[0]
+    prompts = [shared + p for p in w1_prompts(512, requests=6, prompt_len=7, seed=12)]
+    prompts += [(p[:5] * 6)[:28] for p in w1_prompts(512, requests=3, prompt_len=5, seed=13)]   # repetitive
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(tp: int, **kw) -> tuple[list[list[int]], int]:
+        engine = open_engine(model, tp, threads=1, kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=32,
+                             **kw)
+        try:
+            engine.generate(prompts[:1], params)                   # puts the shared prefix in the cache
+            outs = engine.generate(prompts, params)
+            return [o.new_token_ids for o in outs], sum(o.num_cached_tokens for o in outs)
+        finally:
+            engine.close()
+
+    want, _ = run(1)
+    got, cached = run(2)
+    assert got == want and cached >= 6 * 40 - 4                 # prefix hits; prompts chunked 32 tokens a step
+    ngram, _ = run(2, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, adaptive=False))
+    assert ngram == want
+    draft, _ = run(2, speculative=SpeculativeConfig("draft", 3, draft_model=str(model), adaptive=False))
+    assert draft == want
+    int8_one, _ = run(1, quantization="int8")
+    int8_two, _ = run(2, quantization="int8")
+    assert int8_two == int8_one          # the row-parallel shards keep the scales of whole rows
