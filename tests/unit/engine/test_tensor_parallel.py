@@ -282,3 +282,24 @@ def test_prefix_caching_chunked_prefill_ngram_and_draft_speculation_and_int8_at_
     int8_one, _ = run(1, quantization="int8")
     int8_two, _ = run(2, quantization="int8")
     assert int8_two == int8_one          # the row-parallel shards keep the scales of whole rows
+
+
+def test_each_local_rank_gets_its_share_of_the_cores_the_cgroup_allows(tmp_path):
+    from tokenfleet_serving.engine.engine import cgroup_cpu_limit
+    from tokenfleet_serving.engine.worker import rank_threads
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "plane" / "pod").mkdir(parents=True)
+    (v1 / "cpu" / "plane" / "pod" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "plane" / "pod" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "v1-cgroup").write_text("4:memory:/x\n1:cpu:/plane/pod\n0::/\n")
+    assert cgroup_cpu_limit(str(v1), str(tmp_path / "v1-cgroup")) == 2.0
+    v2 = tmp_path / "v2"
+    (v2 / "pod").mkdir(parents=True)
+    (v2 / "pod" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "v2-cgroup").write_text("0::/pod\n")
+    assert cgroup_cpu_limit(str(v2), str(tmp_path / "v2-cgroup")) is None
+    (v2 / "pod" / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(str(v2), str(tmp_path / "v2-cgroup")) == 1.5
+    assert rank_threads(ParallelConfig(2), 2) == 1 and rank_threads(ParallelConfig(4, nnodes=2), 4) == 2
+    assert rank_threads(ParallelConfig(4), 2) == 1
