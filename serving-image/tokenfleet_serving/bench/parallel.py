@@ -20,6 +20,7 @@ import json
 import random
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -174,6 +175,7 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
     rate = None
     for tp in tps:
         threads = max(1, cores // tp)
+        print(f"tp={tp}: {tp} rank(s) x {threads} thread(s)", file=sys.stderr, flush=True)
         engine = open_engine(model_dir, tp, threads, kv_cache_bytes=kv_bytes, max_num_seqs=256,
                              max_num_batched_tokens=8192)
         try:
@@ -191,6 +193,7 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
             tok_s = args.requests * args.output_len / seconds
             if rate is None:    # moderate: a third of what tp=1 sustains, the same for every tp
                 rate = args.rate or tok_s / args.output_len / 3
+            print(f"tp={tp}: W1 {tok_s:.1f} tok/s; latency at {rate:.3f} requests/s", file=sys.stderr, flush=True)
             lat = poisson_latency(engine, config.vocab_size, rate, args.latency_requests, args.prompt_len,
                                   args.output_len // 2)
             result["by_tp"][f"tp{tp}"] = {
