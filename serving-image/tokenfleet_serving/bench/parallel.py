@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -224,22 +225,18 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from . import plot as pl
 
     by = result["by_tp"]
     names = list(by)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    fig, axes = pl.figure(3, "tokenfleet bench parallel: tensor parallelism on one host", columns=3, width=11.0)
     axes[0].bar(names, [by[n]["w1_tokens_per_second"] for n in names], color="#4c72b0")
     axes[0].set_title(f"W1 output tokens/s ({result['cores']} cores in all)", fontsize=9)
     axes[1].bar(names, [by[n]["weight_bytes_per_rank"] / 2**20 for n in names], color="#55a868")
     axes[1].set_title("weight MiB per rank", fontsize=9)
     axes[2].bar(names, [by[n]["kv_blocks_per_replica"] for n in names], color="#c44e52")
-    axes[2].set_title("KV blocks per replica (same per-rank budget)", fontsize=9)
-    fig.suptitle("tokenfleet bench parallel: tensor parallelism on one host", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    axes[2].set_title("KV blocks per replica (one per-rank budget)", fontsize=9)
+    pl.save(fig, path, result.get("hardware"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = create_random_checkpoint(Path(tmp.name) / "reference", **REFERENCE, seed=args.seed)
     result = {"model": str(args.model) if args.model else "reference (random Llama, 8x512, fp32)",
               "hardware": hardware(), **run(model_dir, tps, cores, args)}
+    result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
     Path(args.json).write_text(json.dumps(result, indent=2))
     rows = [(name, f"{v['w1_tokens_per_second']:.1f}", v["weight_bytes_per_rank"], v["kv_blocks_per_replica"],
              f"{v['collective_seconds_per_step'] * 1e3:.2f}", f"{v['ttft_p50_s'] * 1e3:.0f}",

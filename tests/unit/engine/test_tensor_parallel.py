@@ -303,3 +303,21 @@ def test_each_local_rank_gets_its_share_of_the_cores_the_cgroup_allows(tmp_path)
     assert cgroup_cpu_limit(str(v2), str(tmp_path / "v2-cgroup")) == 1.5
     assert rank_threads(ParallelConfig(2), 2) == 1 and rank_threads(ParallelConfig(4, nnodes=2), 4) == 2
     assert rank_threads(ParallelConfig(4), 2) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_fit_table_counts_the_bytes_each_rank_of_the_engine_keeps(tp, checkpoints):
+    """bench parallel's per-rank weight arithmetic (used for the Llama-3 fit table) against the bytes the
+    model of each rank really keeps (PyTorch path: weights as loaded, no packing)."""
+    from tokenfleet_serving.bench.parallel import rank_weight_bytes
+    from tokenfleet_serving.engine.layers.parallel import SingleRank
+    from tokenfleet_serving.engine.loader import load_checkpoint
+    from tokenfleet_serving.engine.model_runner import ModelRunner
+
+    ckpt = load_checkpoint(checkpoints["llama"], with_tokenizer=False)
+    for rank in range(tp):
+        group = SingleRank()
+        group.rank, group.size = rank, tp                # only the shapes: no collective runs here
+        runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"), 64, use_kernels=False,
+                             group=group)
+        assert runner.weight_bytes() == rank_weight_bytes(ckpt.config, tp, dtype_bytes=4)
