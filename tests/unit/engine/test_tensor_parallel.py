@@ -321,3 +321,12 @@ def test_the_fit_table_counts_the_bytes_each_rank_of_the_engine_keeps(tp, checkp
         runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"), 64, use_kernels=False,
                              group=group)
         assert runner.weight_bytes() == rank_weight_bytes(ckpt.config, tp, dtype_bytes=4)
+
+
+def test_a_leader_whose_members_never_join_fails_in_bounded_time_naming_its_address(checkpoints):
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=f"rank 0 of 2 \\(the leader\\) did not see every rank join its group at "
+                                          f"127.0.0.1:{port} within 2s"):
+        open_engine(checkpoints["llama"], 2, parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=2))
+    assert time.monotonic() - started < 2 + 20
