@@ -23,6 +23,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("route",): ("tokenfleet_serving.router.main", "main", "cache- and load-aware router in front of serving replicas"),
     ("bench", "engine"): ("tokenfleet_serving.bench.engine", "main", "engine throughput and prefix-cache benchmark"),
     ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),
+    ("bench", "parallel"): ("tokenfleet_serving.bench.parallel", "main",
+                            "tensor parallelism on one host: W1 tokens/s, weight and KV per rank, collectives"),
     ("bench", "levers"): ("tokenfleet_serving.bench.levers", "main",
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
     ("bench", "startup"): ("tokenfleet_serving.bench.startup", "main", "replica start-up phases, cold and warm"),

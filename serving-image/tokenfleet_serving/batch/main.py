@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port of /metrics (0: none)")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the other members")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto",
+                   help="where the engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-mb", type=positive_int, default=256)
     p.add_argument("--num-threads", type=positive_int, default=None)
     p.add_argument("--log-level", default="info")
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_metrics(args.host, args.port, progress, num_rounds(len(items), member.hosts, args.items_per_round),
                       commit_seconds)
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                         kv_cache_bytes=args.kv_cache_mb * 2**20, num_threads=args.num_threads))
     except Exception as e:   # a model that does not load: the message names the file or field
         log.error("model %s: %s", args.model, e)

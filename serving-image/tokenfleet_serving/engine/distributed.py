@@ -188,8 +188,13 @@ def join(config: ParallelConfig, rank: int, device: torch.device) -> ProcessGrou
     # not wait longer (the process exits; the pod restarts and the Slice condition carries this message)
     done = threading.Event()
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    what = (f"rank {rank} of {config.world_size} could not join the replica's group at {config.address} "
-            f"within {config.timeout_s:g}s (--master-addr/--master-port; is the leader up and reachable?)")
+    if rank == 0:
+        what = (f"rank 0 of {config.world_size} (the leader) did not see every rank join its group at "
+                f"{config.address} within {config.timeout_s:g}s (are all members up, and can they reach this "
+                f"address?)")
+    else:
+        what = (f"rank {rank} of {config.world_size} could not join the replica's group at {config.address} "
+                f"within {config.timeout_s:g}s (--master-addr/--master-port; is the leader up and reachable?)")
 
     def watchdog() -> None:
         if not done.wait(config.timeout_s + 5):

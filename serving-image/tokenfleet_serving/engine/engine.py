@@ -41,11 +41,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenfleet.engine")
 
 
-def usable_cpus() -> int:
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> float | None:
+    """The CFS quota of this process's cpu cgroup in cores (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as
+    the kubelet (or the local pod runner) sets it from a container's CPU limit; None without one."""
     try:
-        return len(os.sched_getaffinity(0))
+        lines = Path(membership).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        try:
+            if controllers == "":                                          # v2: one unified hierarchy
+                quota, period = (Path(root) / rel / "cpu.max").read_text().split()
+                return None if quota == "max" else int(quota) / int(period)
+            if "cpu" in controllers.split(","):
+                base = Path(root) / controllers / rel
+                quota_us = int((base / "cpu.cfs_quota_us").read_text())
+                return None if quota_us < 0 else quota_us / int((base / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def usable_cpus() -> int:
+    """Cores this process may use: those it may run on, capped by its cgroup's CPU quota (whole cores, >= 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return cores if limit is None else max(1, min(cores, int(limit)))
 
 
 @dataclass

@@ -57,8 +57,10 @@ class Int8Linear:
     [out, in] int8 on the device and ``scales`` in the compute dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ctypes.CDLL | None,
-                 dtype: torch.dtype, device: torch.device, name: str = "weight"):
-        q, scale = quantize_int8(weight, name)
+                 dtype: torch.dtype, device: torch.device, name: str = "weight",
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``quantized``: ``weight`` already quantized, (int8 [out, in], scale [out]) (then ``weight`` is unused)."""
+        q, scale = quantized if quantized is not None else quantize_int8(weight, name)
         self.out_features, self.in_features = q.shape
         self.bias = bias
         self.kernels = kernels if device.type == "cpu" and dtype == torch.float32 else None

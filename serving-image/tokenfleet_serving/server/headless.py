@@ -80,7 +80,7 @@ async def serve_member(engine_config, host: str, port: int, grace_s: float = 2.0
                 break
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         for p in ranks:

@@ -51,3 +51,13 @@ def test_bench_placement_plots_a_real_run_and_a_cluster_timeline(tmp_path):
     timeline = tmp_path / "cluster.png"
     bench_placement.plot(cluster, str(timeline))
     assert is_png(timeline)
+
+
+def test_bench_parallel_draws_throughput_weights_and_kv_by_tp(tmp_path):
+    from tokenfleet_serving.bench import parallel as bench_parallel
+
+    by = {f"tp{t}": {"w1_tokens_per_second": 900.0 / t ** 0.1, "weight_bytes_per_rank": 126e6 / t,
+                     "kv_blocks_per_replica": 1024 * t} for t in (1, 2)}
+    out = tmp_path / "parallel.png"
+    bench_parallel.plot({"by_tp": by, "cores": 2, "hardware": HW}, str(out))
+    assert is_png(out)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from ..quantization import Int8Linear
+from ..quantization import Int8Linear, quantize_int8
 from .parallel import SingleRank
 
 
@@ -86,12 +86,20 @@ class WeightFormat:
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def matmul(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "weight") -> Linear | Int8Linear:
-        """The local matmul of ``weight`` [out, in] (as given: int8 quantizes from it, not from a cast copy)."""
+    def matmul(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "weight",
+               columns: tuple[int, int] | None = None) -> Linear | Int8Linear:
+        """The local matmul of ``weight`` [out, in] (as given: int8 quantizes from it, not from a cast copy), or of
+        its input ``columns`` (int8: quantized over whole rows first, so every rank has the scales of one rank)."""
         if bias is not None:
             bias = bias.to(device=self.device, dtype=self.dtype)
         if self.quantization == "int8":
-            return Int8Linear(weight, bias, self.kernels, self.dtype, self.device, name)
+            quantized = None
+            if columns is not None:
+                q, scale = quantize_int8(weight, name)
+                quantized = (q[:, columns[0]:columns[1]].contiguous(), scale)
+            return Int8Linear(weight, bias, self.kernels, self.dtype, self.device, name, quantized)
+        if columns is not None:
+            weight = weight[:, columns[0]:columns[1]]
         return Linear(self.tensor(weight), bias, onednn_packs(self.dtype, self.device), self.kernels)
 
 
@@ -129,7 +137,7 @@ class RowParallelLinear(nn.Module):
         a, b = columns
         whole = self.group.size == 1
         # with one rank the bias goes into the matmul, as the plain layer has it
-        self.matmul = fmt.matmul(weight if whole else weight[:, a:b], bias if whole else None, name)
+        self.matmul = fmt.matmul(weight, bias if whole else None, name, None if whole else (a, b))
         self.bias = None if whole or bias is None else bias.to(device=fmt.device, dtype=fmt.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
