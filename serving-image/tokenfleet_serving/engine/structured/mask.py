@@ -3,8 +3,7 @@ at once (``logits_processors.py`` applies it in one vectorized operation).
 
 The rows are computed one after another on the step thread (llguidance takes microseconds a row for a JSON
 schema). Not on llguidance's thread pool: on a CPU host the engine's torch threads already hold every core, and
-a second pool spinning beside them slowed the forward pass itself (the TPOT of a constrained batch-1 request
-doubled in ``tokenfleet bench structured`` on a 2-core host).
+a second pool's threads would compete with them for it.
 """
 from __future__ import annotations
 
