@@ -239,34 +239,6 @@ def test_a_request_that_finds_no_ready_replica_waits_for_one(fleet):
     assert usage_of(result["events"])["completion_tokens"] == 40
 
 
-def test_a_backend_killed_in_the_middle_of_a_stream(fleet):
-    """Last: it kills a backend. The proxy holds the stream after 4 events, the test SIGKILLs the backend
-    process behind it, and the client's stream goes on elsewhere."""
-    router = fleet["routers"]["main"]
-    ref = reference(fleet, "chat")
-    for p in fleet["proxies"].values():
-        p.applied.clear()
-    plan_everywhere(fleet, "hold", after=4)
-    result: dict = {}
-    client = threading.Thread(target=lambda: result.update(
-        zip(("status", "headers", "events"), stream_events(router.base_url, "/v1/chat/completions", body("chat")))))
-    client.start()
-    held = wait_until(lambda: applied(fleet), 60, what="a held stream")
-    [name] = held
-    fleet["backends"][name].kill()
-    client.join(120)
-    assert result["status"] == 200 and result["events"][-1] == "[DONE]"
-    assert text_of(result["events"]) == text_of(ref)
-    assert usage_of(result["events"])["completion_tokens"] == 40
-    assert result["headers"]["x-tokenfleet-backend"] == name
-
-
-SCHEMA = {"type": "object", "properties": {
-    "tier": {"type": "string", "enum": ["gold", "silver"]},
-    "zones": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["a", "b", "c"]}},
-    "ready": {"type": "boolean"}}, "required": ["tier", "zones", "ready"], "additionalProperties": False}
-
-
 def test_a_constrained_stream_continues_with_its_grammar_state(fleet):
     """The continuation replays the delivered tokens through the request's grammar on the new backend: the
     client gets the seeded run's document, token for token, and it validates."""
@@ -294,3 +266,31 @@ def test_a_stream_of_several_choices_passes_through_and_fails_cleanly_when_broke
     *_, error, done = events
     assert done == "[DONE]" and error["error"]["code"] == 502
     assert "several choices (n > 1)" in error["error"]["message"]
+
+
+def test_a_backend_killed_in_the_middle_of_a_stream(fleet):
+    """Last: it kills a backend. The proxy holds the stream after 4 events, the test SIGKILLs the backend
+    process behind it, and the client's stream goes on elsewhere."""
+    router = fleet["routers"]["main"]
+    ref = reference(fleet, "chat")
+    for p in fleet["proxies"].values():
+        p.applied.clear()
+    plan_everywhere(fleet, "hold", after=4)
+    result: dict = {}
+    client = threading.Thread(target=lambda: result.update(
+        zip(("status", "headers", "events"), stream_events(router.base_url, "/v1/chat/completions", body("chat")))))
+    client.start()
+    held = wait_until(lambda: applied(fleet), 60, what="a held stream")
+    [name] = held
+    fleet["backends"][name].kill()
+    client.join(120)
+    assert result["status"] == 200 and result["events"][-1] == "[DONE]"
+    assert text_of(result["events"]) == text_of(ref)
+    assert usage_of(result["events"])["completion_tokens"] == 40
+    assert result["headers"]["x-tokenfleet-backend"] == name
+
+
+SCHEMA = {"type": "object", "properties": {
+    "tier": {"type": "string", "enum": ["gold", "silver"]},
+    "zones": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["a", "b", "c"]}},
+    "ready": {"type": "boolean"}}, "required": ["tier", "zones", "ready"], "additionalProperties": False}

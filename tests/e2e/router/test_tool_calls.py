@@ -159,17 +159,26 @@ def assembled(events: list) -> tuple[str, list[tuple[str, dict]], str | None]:
     return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
 
 
-@pytest.mark.parametrize("tool_choice, after", [
-    ("required", 4),
-    ({"type": "function", "function": {"name": "lookup"}}, 6),
+JSON_ANSWER = {"type": "object", "properties": {"pods": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                    "maxItems": 3}, "ok": {"type": "boolean"}},
+               "required": ["pods", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra, after", [
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, 4),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, 6),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": JSON_ANSWER, "strict": True}}}, 5),
 ])
-def test_a_broken_tool_call_stream_continues_elsewhere_with_the_same_calls(fleet, tool_choice, after):
-    body = {"model": MODEL_NAME, "messages": messages("find the api pod"), "tools": TOOLS, "tool_choice": tool_choice,
-            "max_tokens": 120, "seed": 5, "temperature": 1.0, "stream": True, "parallel_tool_calls": False}
+def test_a_broken_constrained_stream_continues_elsewhere_with_the_same_answer(fleet, extra, after):
+    body = {"model": MODEL_NAME, "messages": messages("find the api pod"), "max_tokens": 120, "seed": 5,
+            "temperature": 1.0, "stream": True, **extra}
     status, _, ref = stream_events(fleet["backends"]["tools-0-0"].base_url, "/v1/chat/completions", body, headers=AUTH)
     assert status == 200
     want = assembled(ref)
-    assert want[1], want
+    if "tools" in extra:
+        assert want[1], want
+    else:
+        jsonschema.validate(json.loads(want[0]), JSON_ANSWER)
     for p in fleet["proxies"].values():
         p.plan("cut", after=after)
     before = metric_samples(fleet["router"].base_url)
