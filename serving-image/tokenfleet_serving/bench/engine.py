@@ -330,15 +330,21 @@ def main(argv: list[str] | None = None) -> int:
             ("matmul GFLOP/s at the end", result["matmul_gflops_end"]),
             ("CPU cores used: engine / transformers",
              None if args.skip_hf else f"{engine_cores:.2f} / {hf_cores:.2f}")]
+    report(result, rows, args.json, args.plot, plot, tmp)
+    return 0
+
+
+def report(result: dict, rows: list, json_path: Path | None, plot_path: str | None, draw,
+           tmp: tempfile.TemporaryDirectory | None, width: int = 38, digits: int = 3) -> None:
+    """Print the table, write the JSON and the picture (when asked), drop the temporary reference model."""
     print(f"hardware: {result['hardware']}")
     for name, value in rows:
-        shown = "-" if value is None else value if isinstance(value, str) else f"{value:,.3f}"
-        print(f"  {name:<38} {shown}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
+        shown = "-" if value is None else value if isinstance(value, str) else f"{value:,.{digits}f}"
+        print(f"  {name:<{width}} {shown}")
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if plot_path:
+        draw(result, plot_path)
+        print(f"wrote {plot_path}")
     if tmp is not None:
         tmp.cleanup()
-    return 0

@@ -26,7 +26,7 @@ import torch
 from ..engine import LLMEngine, SamplingParams
 from ..engine.engine import usable_cpus
 from ..engine.structured import StructuredOutputSpec
-from .engine import hardware, reference_checkpoint
+from .engine import hardware, reference_checkpoint, report
 
 SCHEMA = {
     "type": "object",
@@ -226,15 +226,5 @@ def main(argv: list[str] | None = None) -> int:
             ("grammar compile, cold (ms)", result["grammar_compile_seconds_cold"] * 1e3),
             ("grammar compile, cached (ms)", result["grammar_compile_seconds_cached"] * 1e3),
             ("schema_valid_fraction", result["schema_valid_fraction"])]
-    print(f"hardware: {result['hardware']}")
-    for name, value in rows:
-        shown = value if isinstance(value, str) else f"{value:,.4f}"
-        print(f"  {name:<42} {shown}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    if tmp is not None:
-        tmp.cleanup()
+    report(result, rows, args.json, args.plot, plot, tmp, width=42, digits=4)
     return 0

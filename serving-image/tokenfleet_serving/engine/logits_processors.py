@@ -4,6 +4,7 @@ EOS and stop tokens forbidden before ``min_tokens``, and the grammar's mask for 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .request import Request
@@ -33,12 +34,16 @@ def stop_token_ids(req: Request) -> tuple[int, ...]:
 
 
 def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
-    """The processed logits (float32, a copy), or None when no row needs processing. Raises
-    :class:`NoTokenLeft` for a row with no token left to choose."""
+    """The processed logits (float32, a copy on the CPU), or None when no row needs processing. Raises
+    :class:`NoTokenLeft` for a row with no token left to choose.
+
+    The work is done with numpy, single-threaded: on a busy CPU host each torch operation over the whole batch
+    (above torch's grain size) waits for its second OpenMP thread to be scheduled, milliseconds every time, which
+    made these few operations cost more than the forward pass at batch 16."""
     rows = [i for i, r in enumerate(requests) if processes(r)]
     if not rows:
         return None
-    out = logits.float().clone()
+    out = logits.detach().float().cpu().numpy().copy()
     bias_rows: list[int] = []
     bias_cols: list[int] = []
     bias_vals: list[float] = []
@@ -58,20 +63,20 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
         if r.grammar is not None:
             constrained.append(i)
     if bias_rows:
-        out.index_put_((torch.tensor(bias_rows, device=out.device), torch.tensor(bias_cols, device=out.device)),
-                       torch.tensor(bias_vals, dtype=out.dtype, device=out.device), accumulate=True)
+        np.add.at(out, (np.array(bias_rows), np.array(bias_cols)), np.array(bias_vals, dtype=np.float32))
     if ban_rows:
-        out[torch.tensor(ban_rows, device=out.device), torch.tensor(ban_cols, device=out.device)] = float("-inf")
+        out[np.array(ban_rows), np.array(ban_cols)] = -np.inf
     if constrained:
-        from .structured.mask import apply_bitmask, fill_bitmask
+        from .structured.mask import allowed_tokens, fill_bitmask
 
-        matchers = [requests[i].grammar for i in constrained]
-        apply_bitmask(out, constrained, fill_bitmask(matchers, out.shape[1]))       # type: ignore[arg-type]
-    best = out[rows].amax(dim=-1).tolist()
-    for i, m in zip(rows, best):
+        bitmask = fill_bitmask([requests[i].grammar for i in constrained], out.shape[1])      # type: ignore[misc]
+        allowed = allowed_tokens(bitmask, out.shape[1])
+        out[constrained] = np.where(allowed, out[constrained], np.float32(-np.inf))
+    best = out[rows].max(axis=1)
+    for i, m in zip(rows, best.tolist()):
         if m == float("-inf"):
             r = requests[i]
             why = (f"the grammar allows no token ({r.grammar.get_error() or 'no continuation'})"
                    if r.grammar is not None else "logit_bias and min_tokens leave no token to choose")
             raise NoTokenLeft(r.request_id, why)
-    return out
+    return torch.from_numpy(out)

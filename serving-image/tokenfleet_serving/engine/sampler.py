@@ -88,7 +88,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         raise SamplingError(e.request_id, str(e)) from None
     simple = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in requests)
     if simple:                    # the common greedy batch: argmax where the logits are
-        return (logits if processed is None else processed).argmax(dim=-1).tolist(), [None] * len(requests)
+        if processed is None:
+            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+        return processed.numpy().argmax(axis=1).tolist(), [None] * len(requests)
     raw = logits.float().cpu()    # per-request generators live on the CPU
     chosen_from = raw if processed is None else processed.cpu()
     tokens = chosen_from.argmax(dim=-1).tolist()

@@ -20,4 +20,5 @@ def test_bench_structured_reports_every_field(llama_dir, tmp_path):
         batch = r[f"batch{b}"]
         assert abs(batch["tpot_ratio"] - batch["json_schema_tpot_s"] / batch["free_tpot_s"]) < 1e-12
         assert r[f"json_schema_tpot_ratio_batch{b}"] == batch["tpot_ratio"]
+        assert -1 < batch["mask_overhead_fraction"] < 1
     assert 0 < r["grammar_compile_seconds_cached"] < r["grammar_compile_seconds_cold"]

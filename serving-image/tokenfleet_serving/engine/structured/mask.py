@@ -1,10 +1,9 @@
-"""The grammar's token mask for a whole batch: one bitmask row per constrained request, applied to the logits in
-one vectorized operation.
+"""The grammar's token mask for a whole batch: one bitmask row per constrained request, unpacked for all of them
+at once (``logits_processors.py`` applies it in one vectorized operation).
 
 The rows are computed one after another on the step thread (llguidance takes microseconds a row for a JSON
 schema). Not on llguidance's thread pool: on a CPU host the engine's torch threads already hold every core, and
-a second pool spinning beside them slowed the forward pass itself (the TPOT of a constrained batch-1 request
-doubled in ``tokenfleet bench structured`` on a 2-core host).
+a second pool's threads would compete with them for it.
 """
 from __future__ import annotations
 
@@ -22,17 +21,7 @@ def fill_bitmask(matchers: list[LLMatcher], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
     """[rows, vocab_size] bool from a bitmask (bit j of word w: token 32*w + j; words little-endian)."""
     bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab_size]).bool()
-
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit of ``rows`` whose token the bitmask forbids."""
-    forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
-    if rows == list(range(logits.shape[0])):
-        logits.masked_fill_(forbidden, float("-inf"))
-        return
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+    return bits[:, :vocab_size].astype(bool)
