@@ -112,18 +112,19 @@ def test_parallel_flags_that_cannot_work_are_refused():
 
 
 def test_serve_refuses_pp_and_warm_restart_at_tp(checkpoints):
-    from tokenfleet_serving.server.main import build_parser, config_from_args
+    from tokenfleet_serving.serve_args import parse_serve_args
+    from tokenfleet_serving.server.main import config_from_args
 
     base = ["--model", str(checkpoints["llama"])]
     with pytest.raises(ValueError, match="pipeline parallelism is not implemented"):
-        config_from_args(build_parser().parse_args(base + ["--pipeline-parallel-size", "2"]))
+        config_from_args(parse_serve_args(base + ["--pipeline-parallel-size", "2"]))
     with pytest.raises(ValueError, match="--prefix-checkpoint-dir .* not implemented with --tensor-parallel-size"):
-        config_from_args(build_parser().parse_args(base + ["--tensor-parallel-size", "2",
+        config_from_args(parse_serve_args(base + ["--tensor-parallel-size", "2",
                                                            "--prefix-checkpoint-dir", "/tmp/x"]))
     with pytest.raises(ValueError, match="--master-addr is required"):
-        config_from_args(build_parser().parse_args(base + ["--tensor-parallel-size", "2", "--nnodes", "2",
+        config_from_args(parse_serve_args(base + ["--tensor-parallel-size", "2", "--nnodes", "2",
                                                            "--node-rank", "1", "--headless"]))
-    config = config_from_args(build_parser().parse_args(base + ["--tensor-parallel-size", "2"]))
+    config = config_from_args(parse_serve_args(base + ["--tensor-parallel-size", "2"]))
     assert config.engine.parallel == ParallelConfig(2, master_port=29500)
 
 
