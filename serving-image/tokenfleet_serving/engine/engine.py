@@ -86,6 +86,18 @@ class EngineStats:
     generation_tokens: int
     finished: dict[str, int] = field(default_factory=dict)   # finish_reason -> count
     spec_decode: SpecDecodeStats | None = None                # None: speculative decoding is off
+    lora: LoRAStats | None = None                             # None: LoRA adapters are off
+
+
+@dataclass
+class LoRAStats:
+    """vLLM's lora_requests_info (adapters of running and waiting requests, max_lora) and each adapter's
+    tokens (prompt, generated) since it was first loaded."""
+    running: list[str]
+    waiting: list[str]
+    max_lora: int
+    adapters: list[str]                                       # servable now
+    tokens: dict[str, tuple[int, int]]
 
 
 class LLMEngine:
@@ -415,7 +427,15 @@ class LLMEngine:
                 num_preemptions=c.num_preemptions, num_chunked_prefills=c.num_chunked_prefills,
                 num_steps=c.num_steps, prompt_tokens=c.num_prompt_tokens,
                 generation_tokens=self.generation_tokens, finished=dict(self.finished_counts),
-                spec_decode=self.speculator.stats.copy() if self.speculator is not None else None)
+                spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
+                lora=self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.lora is None:
+            return None
+        running, waiting = self.lora_activity()
+        return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names,
+                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()})
 
     # ---- LoRA adapters ----------------------------------------------------
     def load_lora_adapter(self, name: str, path: str | Path) -> float:

@@ -22,9 +22,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
+from tokenfleet_serving.engine.lora_manager import UnknownAdapter
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
 
+from . import lora_api
 from . import protocol as P
 from .chat import prompt_token_ids
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
@@ -54,6 +56,7 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S       # the whole body, from the end of the headers
     engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()       # (name, PEFT directory) loaded at start (--lora-modules)
 
 
 class Server:
@@ -90,6 +93,8 @@ class Server:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/cache/blocks", self.cache_blocks)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     async def load(self) -> None:
@@ -115,6 +120,8 @@ class Server:
             log.error("loading the model failed: %s", e)
             raise
         self.engine = engine
+        for name, path in self.config.lora_modules:       # --lora-modules: a bad one fails the start, named
+            await asyncio.to_thread(engine.load_lora_adapter, name, path)
         for phase, at in getattr(engine, "startup_marks", {}).items():
             self.phases.mark(phase, at)
         if self.config.warm_restart is not None:
@@ -277,7 +284,16 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         ctx = self.limits.max_model_len if self.limits else 0
-        return web.json_response(P.models_response(list(self.config.served_model_names), self.created, ctx))
+        body = P.models_response(list(self.config.served_model_names), self.created, ctx)
+        if self.engine is not None and self.engine.lora is not None:
+            body["data"] += lora_api.adapter_models(self.engine, self.config.served_model_names[0], self.created, ctx)
+        return web.json_response(body)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_api.load(self, await self._read_json(request))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_api.unload(self, await self._read_json(request))
 
     async def cache_blocks(self, request: web.Request) -> web.Response:
         """Hashes of the full blocks now in the prefix cache, for cache-aware routing (spec in block_pool.py).
@@ -326,21 +342,21 @@ class Server:
     async def _run_request(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse(await self._read_json(request))
-        if req.model not in self.config.served_model_names:
-            raise P.ApiError(404, f"model '{req.model}' does not exist; this server serves "
-                                  f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
+        lora = lora_api.resolve(self, req.model)       # None: the base model; 404 for a model not served
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
         params = P.sampling_params(req, max_tokens)
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine_loop.submit(rid, ids, params, req.continuation)
+            stream = await self.engine_loop.submit(rid, ids, params, req.continuation, lora=lora)
         except QueueFullError as e:
             raise P.ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
         except EngineDeadError as e:
             raise P.ApiError(503, str(e)) from e
+        except UnknownAdapter as e:   # unloaded since it was resolved
+            raise lora_api.not_found(self, req.model) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
             raise P.ApiError(400, str(e)) from e
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)

@@ -121,7 +121,7 @@ class EngineLoop:
         return snap.stats.num_waiting + (self._submitted_seq - snap.drained_seq)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     continuation=None) -> asyncio.Queue:
+                     continuation=None, lora: str | None = None) -> asyncio.Queue:
         """Hand a request to the engine; returns the queue its outputs arrive on.
 
         Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses.
@@ -137,7 +137,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         self._submitted_seq += 1
         self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, continuation,
-                            accepted))
+                            lora, accepted))
         self._wake.set()
         try:
             await accepted
@@ -197,12 +197,10 @@ class EngineLoop:
         while self._inbox and self.error is None:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, seq, rid, ids, params, continuation, fut = cmd
+                _, seq, rid, ids, params, continuation, lora, fut = cmd
+                extra = {k: v for k, v in (("continuation", continuation), ("lora", lora)) if v is not None}
                 try:
-                    if continuation is None:
-                        self.engine.add_request(rid, ids, params)
-                    else:
-                        self.engine.add_request(rid, ids, params, continuation=continuation)
+                    self.engine.add_request(rid, ids, params, **extra)
                     error = None
                 except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone
                     if not isinstance(e, ValueError):

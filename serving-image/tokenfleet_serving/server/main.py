@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--model-revision", default=None,
                       help="the model's revision, which a checkpoint must match to be loaded (default: a "
                            "fingerprint of the weight files)")
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags; docs/engine.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters of this model")
+    lora.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+                      help="adapters to load at start (PEFT directories); more come with /v1/load_lora_adapter")
+    lora.add_argument("--max-loras", type=positive_int, default=4, help="distinct adapters in one batch")
+    lora.add_argument("--max-lora-rank", type=positive_int, default=16, help="largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                      help="adapters kept loaded (default: --max-loras); others are read again on use")
     par = p.add_argument_group("parallelism (one replica over several accelerators or hosts; docs/engine.md)")
     par.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                      help="ranks the model's weights and KV cache are split over; on one host this process starts "
@@ -202,6 +210,24 @@ def parallel_config(args: argparse.Namespace):
                             args.master_addr or "127.0.0.1", args.master_port, args.distributed_timeout_seconds)
     config.check()
     return config
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """argparse type: NAME=PATH of a LoRA adapter."""
+    name, sep, path = text.partition("=")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return served_model_name(name), path
+
+
+def lora_config(args: argparse.Namespace):
+    from tokenfleet_serving.engine.lora_manager import LoRAConfig
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if not args.enable_lora:
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 class _Refused(Exception):
@@ -243,7 +269,8 @@ def config_from_args(args: argparse.Namespace):
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
                           quantization=args.quantization, speculative=speculative_config(args),
                           load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
-                          model_revision=args.model_revision)
+                          model_revision=args.model_revision, lora=lora_config(args),
+                          served_model_names=tuple(args.served_model_name or ()))
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
@@ -254,7 +281,8 @@ def config_from_args(args: argparse.Namespace):
                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm)
+                        engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
+                        lora_modules=tuple(args.lora_modules or ()))
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
