@@ -97,6 +97,7 @@ class LoRAStats:
     waiting: list[str]
     max_lora: int
     adapters: list[str]                                       # servable now
+    in_memory: list[str]                                      # of those, loaded (not to be read again first)
     tokens: dict[str, tuple[int, int]]
 
 
@@ -434,7 +435,7 @@ class LLMEngine:
         if self.lora is None:
             return None
         running, waiting = self.lora_activity()
-        return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names,
+        return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names, list(self.lora.loaded),
                          {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()})
 
     # ---- LoRA adapters ----------------------------------------------------

@@ -92,6 +92,7 @@ class _Request:
     session_key: str | None
     sequence: int
     fallback: bool
+    adapter: str | None = None          # the LoRA adapter the request names (policy.py)
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -333,7 +334,9 @@ class Router:
             info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
         else:
             info = prompt_info(kind, body, None)
-        hashes = block_hashes(info.token_ids, self.config.kv_block_size) if info.token_ids else ()
+        model = body.get("model") if isinstance(body, dict) else None
+        adapter = model if isinstance(model, str) and self.fleet.serves_adapter(model) else None
+        hashes = block_hashes(info.token_ids, self.config.kv_block_size, adapter=adapter) if info.token_ids else ()
 
         tiers = self.config.tiers
         picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
@@ -347,7 +350,7 @@ class Router:
         affinity = self.config.session_affinity
         session_key = request.headers.get(affinity.header) if affinity.enabled else None
         ctx = _Request(path, body, self._backend_headers(request), hashes, tier.name, session_key,
-                       next(self.sequence), fallback)
+                       next(self.sequence), fallback, adapter)
         opened = await self._open(ctx, raw)
         if opened is None and await self._hold(ctx):     # none took it: wait for one to be back
             timing.held = True
@@ -372,7 +375,7 @@ class Router:
         for _ in range(MAX_ATTEMPTS):
             now = self.fleet.clock()
             pinned = self.fleet.sessions.pinned(ctx.session_key, now) if ctx.session_key else None
-            decision = choose(RouteRequest(ctx.hashes, ctx.session_key, pinned, ctx.sequence),
+            decision = choose(RouteRequest(ctx.hashes, ctx.session_key, pinned, ctx.sequence, ctx.adapter),
                               self.fleet.views(ctx.tier, ctx.excluded(self.fleet)), self.params)
             if decision is None:
                 return None

@@ -278,10 +278,11 @@ def _lora_metrics(lora, names: list[str], values: list[str], at: float) -> Itera
         generation.add_metric(values + [adapter], g)
     yield prompt
     yield generation
-    loaded = GaugeMetricFamily("tokenfleet:lora_adapter_loaded", "1 for each LoRA adapter this replica serves.",
-                               labels=names + ["adapter"])
+    loaded = GaugeMetricFamily("tokenfleet:lora_adapter_loaded", "Each LoRA adapter this replica serves: 1 when "
+                               "it is in memory, 0 when it is read again on its next request (the router prefers "
+                               "1).", labels=names + ["adapter"])
     for adapter in lora.adapters:
-        loaded.add_metric(values + [adapter], 1.0)
+        loaded.add_metric(values + [adapter], 1.0 if adapter in lora.in_memory else 0.0)
     yield loaded
 
 
