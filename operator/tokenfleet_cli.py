@@ -28,6 +28,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "serve"): ("tokenfleet_serving.bench.serve", "main", "online serving benchmark (Poisson arrivals)"),
     ("bench", "levers"): ("tokenfleet_serving.bench.levers", "main",
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
+    ("bench", "lora"): ("tokenfleet_serving.bench.lora", "main",
+                        "multi-LoRA: 8 adapters on one replica vs the base model and vs one replica per adapter"),
     ("bench", "placement"): ("tokenfleet_dev.bench.placement", "main", "gang placement benchmark"),
     ("bench", "operator"): ("tokenfleet_dev.bench.operator", "main",
                             "the operator at scale: N InferenceServices on KWOK nodes, time to Ready, CPU, RSS, API calls"),

@@ -128,7 +128,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
     """The step's flat batch. With ``compiled_prefill`` (the model runs the C prefill attention) every chunk of
     2+ tokens is described once in ``prefill``; otherwise in the short-chunk group or a long span."""
     kind = lambda c: 0 if len(c.token_ids) == 1 else (1 if len(c.token_ids) < LONG_CHUNK else 2)
-    order = sorted(range(len(chunks)), key=lambda i: kind(chunks[i]))
+    # by kind, and within a kind by LoRA adapter, so each adapter's rows run contiguously (layers/lora.py)
+    order = sorted(range(len(chunks)), key=lambda i: (kind(chunks[i]), chunks[i].adapter))
     ids: list[int] = []
     pos: list[np.ndarray] = []
     slots: list[np.ndarray] = []

@@ -8,7 +8,8 @@ A targeted projection computes ``y = x W^T + scaling * (x A^T) B^T``, ``scaling 
 
 The engine fuses Q/K/V into one ``qkv`` matmul and gate/up into one ``gate_up``; an adapter's projections
 are grouped the same way (``FusedLoRA``): one matmul by the adapter's A matrices of every targeted slice
-side by side, then each slice's B (scaling folded in) into its own columns of the fused output.
+side by side, then one by the slices' B matrices (scaling folded in) laid out block-diagonally, each
+into its own columns of the fused output.
 
 Everything that does not fit is refused at load with the file and field named (``AdapterError``): a config
 that is not LoRA, a rank over ``--max-lora-rank``, a target module the engine does not have, features the
@@ -56,21 +57,16 @@ def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
 @dataclass
 class FusedLoRA:
     """One adapter's share of one fused matmul of one layer: ``a`` [sum of ranks, in] (the targeted slices'
-    A side by side) and, per targeted slice, (first output column, last + 1, first rank column, last + 1,
-    B [out, r] times scaling)."""
+    A side by side) and ``b`` [out1 - out0, sum of ranks]: each slice's B (scaling folded in) in its own
+    rows and rank columns, zeros elsewhere, covering the output columns [out0, out1) of the fused matmul."""
     a: torch.Tensor
-    slices: list[tuple[int, int, int, int, torch.Tensor]]
+    b: torch.Tensor
+    out0: int
+    out1: int
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """``y`` += this adapter's delta of the rows ``rows`` of ``x`` (None: every row), in place."""
-        xs = x if rows is None else x.index_select(0, rows)
-        t = xs @ self.a.T
-        for o0, o1, r0, r1, b in self.slices:
-            d = t[:, r0:r1] @ b.T
-            if rows is None:
-                y[:, o0:o1] += d
-            else:
-                y[:, o0:o1].index_add_(0, rows, d)
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """``y`` += this adapter's delta of ``x`` (rows of one adapter), in place."""
+        y[:, self.out0:self.out1].addmm_(x @ self.a.T, self.b.T)
 
 
 @dataclass
@@ -205,23 +201,22 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     offsets = {"qkv": [0, shapes["q_proj"][0], shapes["q_proj"][0] + shapes["k_proj"][0]],
                "o": [0], "gate_up": [0, shapes["gate_proj"][0]], "down": [0]}
     for layer in range(config.num_layers):
-        fused: dict[str, FusedLoRA] = {}
+        parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for module in targets:
             ab = pairs.get((layer, module))
-            if ab is None:
-                continue
-            group, index = FUSED[module]
-            o0 = offsets[group][index]
-            a = ab["A"].to(device=device, dtype=dtype)
-            b = (ab["B"].float() * scaling).to(device=device, dtype=dtype)
-            f = fused.get(group)
-            r0 = 0 if f is None else f.a.shape[0]
-            entry = (o0, o0 + b.shape[0], r0, r0 + rank, b.contiguous())
-            if f is None:
-                fused[group] = FusedLoRA(a.contiguous(), [entry])
-            else:
-                f.a = torch.cat([f.a, a]).contiguous()
-                f.slices.append(entry)
+            if ab is not None:
+                group, index = FUSED[module]
+                parts.setdefault(group, []).append((offsets[group][index], ab["A"], ab["B"].float() * scaling))
+        fused: dict[str, FusedLoRA] = {}
+        for group, slices in parts.items():
+            out0 = min(o for o, _, _ in slices)
+            out1 = max(o + b.shape[0] for o, _, b in slices)
+            b_full = torch.zeros(out1 - out0, rank * len(slices))
+            for i, (o, _, b) in enumerate(slices):
+                b_full[o - out0:o - out0 + b.shape[0], i * rank:(i + 1) * rank] = b
+            a_full = torch.cat([a for _, a, _ in slices])
+            fused[group] = FusedLoRA(a_full.to(device=device, dtype=dtype).contiguous(),
+                                     b_full.to(device=device, dtype=dtype).contiguous(), out0, out1)
         adapter.layers.append(fused)
     adapter.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return adapter

@@ -22,34 +22,31 @@ class LoRARows:
 
     def __init__(self, ids: np.ndarray, adapters: list[LoRAAdapter], device: torch.device, layer: int = 0):
         self.ids, self.adapters, self.device, self.layer = ids, adapters, device, layer
-        self._groups: list[tuple[LoRAAdapter, torch.Tensor | None]] | None = None
+        self._runs: list[tuple[LoRAAdapter, int, int]] | None = None
 
     def at(self, layer: int) -> LoRARows:
         """The same rows, for the matmuls of decoder layer ``layer``."""
         view = LoRARows(self.ids, self.adapters, self.device, layer)
-        view._groups = self.groups
+        view._runs = self.runs
         return view
 
     @property
-    def groups(self) -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
-        """(adapter, its rows; None when it has every row) for each adapter with rows here."""
-        if self._groups is None:
-            groups = []
-            for k in np.unique(self.ids):
-                if k < 0:
-                    continue
-                rows = np.flatnonzero(self.ids == k)
-                whole = len(rows) == len(self.ids)
-                groups.append((self.adapters[k], None if whole else torch.from_numpy(rows).to(self.device)))
-            self._groups = groups
-        return self._groups
+    def runs(self) -> list[tuple[LoRAAdapter, int, int]]:
+        """(adapter, first row, last row + 1) of each run of rows of one adapter."""
+        if self._runs is None:
+            ids = self.ids
+            edges = np.flatnonzero(np.diff(ids)) + 1
+            starts = np.concatenate([[0], edges])
+            ends = np.concatenate([edges, [len(ids)]])
+            self._runs = [(self.adapters[ids[a]], int(a), int(b)) for a, b in zip(starts, ends) if ids[a] >= 0]
+        return self._runs
 
     def add(self, y: torch.Tensor, x: torch.Tensor, matmul: str) -> torch.Tensor:
         """``y`` (the base matmul ``matmul`` of this layer over ``x``) plus each row's adapter delta, in place."""
-        for adapter, rows in self.groups:
+        for adapter, a, b in self.runs:
             fused = adapter.layers[self.layer].get(matmul)
             if fused is not None:
-                fused.add(y, x, rows)
+                fused.add(y[a:b], x[a:b])
         return y
 
     def narrow(self, start: int, end: int) -> LoRARows:
