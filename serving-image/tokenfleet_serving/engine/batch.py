@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -19,9 +19,9 @@ import torch
 
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
+from .block_pool import adapter_root_hash
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
-from .block_pool import adapter_root_hash
 from .kv_cache_manager import KVCacheManager
 from .layers.lora import LoRARows
 from .loader import load_config

@@ -25,8 +25,8 @@ from .layers.activation import SiluAndMul
 from .layers.attention import PagedAttention
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.layernorm import RMSNorm
-from .layers.lora import LoRARows, add_lora
 from .layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, WeightFormat, weight_bytes
+from .layers.lora import LoRARows, add_lora
 from .layers.parallel import SingleRank, shard
 from .layers.rotary_embedding import RotaryEmbedding
 
