@@ -27,6 +27,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
                             "tensor parallelism on one host: W1 tokens/s, weight and KV per rank, collectives"),
     ("bench", "levers"): ("tokenfleet_serving.bench.levers", "main",
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
+    ("bench", "lora"): ("tokenfleet_serving.bench.lora", "main",
+                        "multi-LoRA: 8 adapters on one replica vs the base model and vs one replica per adapter"),
     ("bench", "startup"): ("tokenfleet_serving.bench.startup", "main", "replica start-up phases, cold and warm"),
     ("bench", "structured"): ("tokenfleet_serving.bench.structured", "main",
                              "structured outputs: TPOT with a JSON schema vs free, grammar compile cold and cached"),

@@ -24,6 +24,7 @@ SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
 
 PROG = "tokenfleet serve"
 WARM_RESTART = "warm restart (prefix-cache checkpoints; docs/recovery.md)"
+LORA = "LoRA adapters (vLLM's flags; docs/engine.md)"
 PARALLEL = "parallelism (one replica over several accelerators or hosts; docs/engine.md)"
 
 
@@ -69,6 +70,14 @@ def _speculative_tokens(text: str) -> int:
     if not 1 <= v <= MAX_SPECULATIVE_TOKENS:
         raise argparse.ArgumentTypeError(f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
     return v
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH of a LoRA adapter."""
+    name, sep, path = text.partition("=")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return served_model_name(name), path
 
 
 def _flag(default: Any = None, help: str | None = None, **argparse_options: Any) -> Any:
@@ -163,6 +172,14 @@ class ServeArgs:
         group=WARM_RESTART,
         help="the model's revision, which a checkpoint must match to be loaded (default: a "
              "fingerprint of the weight files)")
+    enable_lora: bool = _flag(False, action="store_true", group=LORA, help="serve LoRA adapters of this model")
+    lora_modules: tuple[tuple[str, str], ...] | None = _flag(
+        nargs="+", type=_lora_module, metavar="NAME=PATH", group=LORA,
+        help="adapters to load at start (PEFT directories); more come with /v1/load_lora_adapter")
+    max_loras: int = _flag(4, type=positive_int, group=LORA, help="distinct adapters in one batch")
+    max_lora_rank: int = _flag(16, type=positive_int, group=LORA, help="largest adapter rank accepted")
+    max_cpu_loras: int | None = _flag(type=positive_int, group=LORA,
+                                      help="adapters kept loaded (default: --max-loras); others are read again on use")
     tensor_parallel_size: int = _flag(
         1, type=positive_int, group=PARALLEL,
         help="ranks the model's weights and KV cache are split over; on one host this process starts "
@@ -189,12 +206,16 @@ class ServeArgs:
         values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
         if values["served_model_name"] is not None:
             values["served_model_name"] = tuple(values["served_model_name"])
+        if values["lora_modules"] is not None:
+            values["lora_modules"] = tuple(values["lora_modules"])
         return cls(**values)
 
     def problem(self) -> str | None:
         """What the flags get wrong together, which no single flag's check sees (None: nothing)."""
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             return "--enable-auto-tool-choice needs --tool-call-parser"
+        if self.lora_modules and not self.enable_lora:
+            return "--lora-modules needs --enable-lora"
         return None
 
     @property

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .layers.lora import LoRARows
 
 LONG_CHUNK = 512
 
@@ -29,6 +33,7 @@ class SeqChunk:
     start: int                  # tokens of this sequence already in the KV cache
     block_table: list[int]
     sample: bool                # True when the chunk ends the sequence (logits needed)
+    adapter: int = -1           # the request's LoRA adapter: index into the step's adapters; -1: base model
 
 
 @dataclass
@@ -90,6 +95,10 @@ class StepBatch:
     # the sampled chunks of ``prefill`` cut to their last token: in the last layer the other rows only had
     # keys and values to store, so only these query rows (and the decodes) need attention and the MLP
     prefill_sampled: PrefillChunks | None = None
+    # [T] adapter index of each row (-1: the base model), None when no row has one; the runner turns it into
+    # ``lora`` (layers/lora.py) with the step's adapters
+    row_adapters: np.ndarray | None = None
+    lora: LoRARows | None = None
 
 
 def _group(chunks: list[SeqChunk], offsets: list[int], block_size: int, device, contiguous: bool) -> PagedGroup:
@@ -118,7 +127,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
     """The step's flat batch. With ``compiled_prefill`` (the model runs the C prefill attention) every chunk of
     2+ tokens is described once in ``prefill``; otherwise in the short-chunk group or a long span."""
     kind = lambda c: 0 if len(c.token_ids) == 1 else (1 if len(c.token_ids) < LONG_CHUNK else 2)
-    order = sorted(range(len(chunks)), key=lambda i: kind(chunks[i]))
+    # by kind, and within a kind by LoRA adapter, so each adapter's rows run contiguously (layers/lora.py)
+    order = sorted(range(len(chunks)), key=lambda i: (kind(chunks[i]), chunks[i].adapter))
     ids: list[int] = []
     pos: list[np.ndarray] = []
     slots: list[np.ndarray] = []
@@ -127,11 +137,16 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
     offsets: dict[int, int] = {}
     one_pos: list[int] = []
     one_slots: list[int] = []             # single-token chunks (they come first): plain ints, no numpy per chunk
+    adapters: list[int] | None = None     # adapter index per row (from the first chunk that has one on)
     long_spans = []
     for i in order:
         c = chunks[i]
         n = len(c.token_ids)
         offsets[i] = len(ids)
+        if c.adapter >= 0 and adapters is None:
+            adapters = [-1] * len(ids)
+        if adapters is not None:
+            adapters.extend([c.adapter] * n)
         ids.extend(c.token_ids)
         if n == 1:
             one_pos.append(c.start)
@@ -181,4 +196,5 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, c
     return StepBatch(
         input_ids=t(ids), positions=t(positions), slots=t(all_slots), groups=groups, long_spans=long_spans,
         logits_rows=t(rows), sample_order=sample_order, prefill=prefill, prefill_sampled=prefill_sampled,
-        position_range=span(positions), slot_range=span(all_slots))
+        position_range=span(positions), slot_range=span(all_slots),
+        row_adapters=np.asarray(adapters, dtype=np.int64) if adapters is not None else None)

@@ -7,7 +7,11 @@ recompute it without the engine)::
     hash(block i) = sha256(hash(block i-1) or ROOT  ||  uint32_le(t0) || ... || uint32_le(t{B-1}))
 
 where t0..t{B-1} are the token ids of block i (B = block size) and ``||`` is
-byte concatenation. Only full blocks are hashed, so a hash names the whole
+byte concatenation. A request for a LoRA adapter chains from the adapter's root instead of ROOT::
+
+    ROOT(adapter) = sha256(ROOT || "lora" || 0x00 || utf8(adapter name))
+
+so the same tokens under another adapter (or the base model) never share a block. Only full blocks are hashed, so a hash names the whole
 prefix up to and including its block. Hex-encoded digests are what the engine
 exposes.
 """
@@ -27,6 +31,13 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def _chain(parent: bytes, block_bytes: bytes) -> bytes:
     return hashlib.sha256(parent + block_bytes).digest()
+
+
+def adapter_root_hash(adapter: str | None) -> bytes:
+    """The hash a request's first block chains from: ROOT for the base model, else the adapter's root."""
+    if not adapter:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"lora\x00" + adapter.encode("utf-8")).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -135,6 +146,29 @@ class BlockPool:
         self.block_origin = [None] * self.num_blocks
         self.block_hits = [0] * self.num_blocks
         return True
+
+    def forget_chains(self, root: bytes) -> int:
+        """Uncache every block whose chain starts at ``root`` (an unloaded adapter's: its KV would be stale
+        if an adapter of the same name came back with other weights); blocks in use stay cached. Returns how
+        many were forgotten."""
+        doomed, grown = {root}, True
+        while grown:
+            grown = False
+            for h, b in self.cached.items():
+                origin = self.block_origin[b]
+                if h not in doomed and origin is not None and origin[0] in doomed:
+                    doomed.add(h)
+                    grown = True
+        forgotten = 0
+        for h in doomed - {root}:
+            b = self.cached[h]
+            if self.ref_cnt[b] == 0:
+                del self.cached[h]
+                self.block_hash[b] = self.block_origin[b] = None
+                self.block_hits[b] = 0
+                self.free.move_to_end(b, last=False)
+                forgotten += 1
+        return forgotten
 
     def cached_hashes(self) -> list[str]:
         return [h.hex() for h in self.cached]

@@ -20,10 +20,13 @@ import torch
 
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
+from .block_pool import adapter_root_hash
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
+from .layers.lora import LoRARows
 from .loader import load_config
+from .lora_manager import LoRAConfig, LoRAManager, UnknownAdapter
 from .model import split_error
 from .quantization import parse_quantization
 from .request import Request, RequestOutput, TokenLogprob
@@ -96,6 +99,8 @@ class EngineConfig:
     model_revision: str | None = None   # the checkpoint's revision every rank must share (None: a fingerprint)
     structured_output_timeout_s: float = 10.0   # a grammar not compiled by then: the request is refused
     structured_output_cache_size: int = 256     # compiled grammars kept (least recently used dropped)
+    lora: LoRAConfig | None = None      # LoRA adapters (lora_manager.py); None: adapters off
+    served_model_names: tuple[str, ...] = ()   # names the base model goes by (adapters' base must be one)
 
 
 @dataclass
@@ -114,6 +119,19 @@ class EngineStats:
     generation_tokens: int
     finished: dict[str, int] = field(default_factory=dict)   # finish_reason -> count
     spec_decode: SpecDecodeStats | None = None                # None: speculative decoding is off
+    lora: LoRAStats | None = None                             # None: LoRA adapters are off
+
+
+@dataclass
+class LoRAStats:
+    """vLLM's lora_requests_info (adapters of running and waiting requests, max_lora) and each adapter's
+    tokens (prompt, generated) since it was first loaded."""
+    running: list[str]
+    waiting: list[str]
+    max_lora: int
+    adapters: list[str]                                       # servable now
+    in_memory: list[str]                                      # of those, loaded (not to be read again first)
+    tokens: dict[str, tuple[int, int]]
 
 
 class LLMEngine:
@@ -121,6 +139,8 @@ class LLMEngine:
         self.config = config
         parallel = config.parallel or ParallelConfig()
         parallel.check()
+        if config.lora is not None and parallel.world_size > 1:
+            raise ValueError("LoRA adapters (--enable-lora) with --tensor-parallel-size > 1 are not implemented yet")
         device = torch.device(config.device if config.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and parallel.world_size > 1:
@@ -152,7 +172,12 @@ class LLMEngine:
         self.max_model_len, num_blocks, self.kv_cache_bytes = loaded.max_model_len, loaded.num_blocks, loaded.kv_cache_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill), self.kv)
+                                                   config.enable_chunked_prefill,
+                                                   config.lora.max_loras if config.lora else 0), self.kv)
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            names = {Path(str(config.model).rstrip("/")).name, *config.served_model_names}
+            self.lora = LoRAManager(config.lora, self.model_config, self.dtype, self.device, names)
         self.speculator = (Speculator(config.speculative, self.runner, config.model, num_blocks, config.block_size,
                                       self.max_model_len, config.cpu_kernels) if config.speculative else None)
         eos = set(self.model_config.eos_token_ids)
@@ -235,12 +260,14 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, continuation: cont_.Continuation | None = None,
-                    grammar: CompiledGrammar | None = None, share_prompt_with: str | None = None) -> None:
+                    grammar: CompiledGrammar | None = None, share_prompt_with: str | None = None,
+                    lora: str | None = None) -> None:
         """Queue a request. ``continuation``: output another replica already delivered for it, taken as this
         request's own (``continuation.py``); a structured output's grammar is advanced over it. ``grammar``:
         ``compile_structured(params.structured)`` done beforehand (else it is compiled here). ``share_prompt_with``:
         the id of a request with the same prompt (n > 1): this one starts once that one has computed the prompt,
-        and takes its full blocks from the prefix cache."""
+        and takes its full blocks from the prefix cache. ``lora``: the name of a loaded or registered LoRA adapter
+        to run it with (``UnknownAdapter`` if there is none of that name)."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -260,9 +287,11 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise ValueError(f"sampling parameter 'logit_bias' has token id {params.logit_bias[-1][0]}, outside this "
                              f"model's vocabulary [0, {vocab})")
+        if lora is not None and (self.lora is None or not self.lora.servable(lora)):
+            raise UnknownAdapter(lora)
         if params.structured is not None and (grammar is None or grammar.spec.key != params.structured.key):
             grammar = self.compile_structured(params.structured)
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, lora=lora)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                      params.skip_special_tokens)
@@ -280,6 +309,9 @@ class LLMEngine:
                 parent = self.requests.get(share_prompt_with)
                 if parent is not None and parent.prompt_token_ids == req.prompt_token_ids:
                     req.prompt_parent = parent
+            if lora is not None:
+                assert self.lora is not None
+                self.lora.acquire(lora)
             self.requests[request_id] = req
             self.scheduler.add(req)
 
@@ -322,16 +354,21 @@ class LLMEngine:
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepBatch, list[Request]]:
         """The step's batch, and the request of each logits row."""
         chunks, owners = [], []
+        adapters: dict[str, int] = {}          # this step's LoRA adapters, by index
         for r, n in scheduled:
             start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
+            a = adapters.setdefault(r.lora, len(adapters)) if r.lora else -1
             if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
                 for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
-                    chunks.append(SeqChunk([token], start + i, table, True))
+                    chunks.append(SeqChunk([token], start + i, table, True, a))
                     owners.append(r)
                 continue
-            chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens))
+            chunks.append(SeqChunk(r.all_token_ids[start:start + n], start, table, start + n == r.num_tokens, a))
             owners.append(r)
         batch = build_batch(chunks, self.kv.block_size, self.device, self.runner.compiled_prefill)
+        if batch.row_adapters is not None:
+            assert self.lora is not None
+            batch.lora = LoRARows(batch.row_adapters, [self.lora.held(n) for n in adapters], self.device)
         return batch, [owners[i] for i in batch.sample_order]
 
     def _sample_and_update(self, scheduled: list[tuple[Request, int]], rows: list[Request], logits: torch.Tensor,
@@ -409,6 +446,8 @@ class LLMEngine:
             raise ValueError(f"the grammar rejected token {token}: {req.grammar.get_error()}")
         req.append_token(token)
         self.generation_tokens += 1
+        if req.lora is not None and self.lora is not None:
+            self.lora.tokens[req.lora].generation += 1
         if lp is not None:
             req.pending_logprobs.append(lp)
         p = req.params
@@ -454,6 +493,8 @@ class LLMEngine:
         req.pending_token_ids, req.pending_logprobs = [], []
         if finished:
             self.requests.pop(req.request_id, None)
+            if req.lora is not None and self.lora is not None and self.lora.release(req.lora, req.num_prompt_tokens):
+                self.kv.pool.forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
             reason = req.finish_reason or "unknown"
             self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
         return out
@@ -469,7 +510,47 @@ class LLMEngine:
                 num_preemptions=c.num_preemptions, num_chunked_prefills=c.num_chunked_prefills,
                 num_steps=c.num_steps, prompt_tokens=c.num_prompt_tokens,
                 generation_tokens=self.generation_tokens, finished=dict(self.finished_counts),
-                spec_decode=self.speculator.stats.copy() if self.speculator is not None else None)
+                spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
+                lora=self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.lora is None:
+            return None
+        running, waiting = self.lora_activity()
+        return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names, list(self.lora.loaded),
+                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()})
+
+    # ---- LoRA adapters ----------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str | Path) -> float:
+        """Load (or reload) adapter ``name`` from the PEFT directory ``path``; returns the seconds it took.
+        Refused with ``lora_adapter.AdapterError`` (file and field named) or ValueError."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        with self.lock:
+            self.lora.load(name, path)
+            return self.lora.load_seconds[name]
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving ``name``: True when it is gone now, False when it goes as its running requests finish
+        (new requests for it are refused from now on). ``UnknownAdapter`` if it is not served."""
+        if self.lora is None:
+            raise UnknownAdapter(name)
+        with self.lock:
+            gone = self.lora.unload(name)
+            if gone:
+                self.kv.pool.forget_chains(adapter_root_hash(name))
+            return gone
+
+    def lora_adapters(self) -> list[str]:
+        with self.lock:
+            return self.lora.names if self.lora is not None else []
+
+    def lora_activity(self) -> tuple[list[str], list[str]]:
+        """Adapters of the running and of the waiting requests (vLLM's lora_requests_info)."""
+        with self.lock:
+            running = sorted({r.lora for r in self.scheduler.running if r.lora})
+            waiting = sorted({r.lora for r in self.scheduler.waiting if r.lora})
+            return running, waiting
 
     def cached_block_hashes(self) -> list[str]:
         """Hex sha256 chain hashes of every cached full block (spec in block_pool.py)."""

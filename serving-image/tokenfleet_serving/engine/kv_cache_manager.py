@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .block_pool import ROOT_HASH, BlockPool
+from .block_pool import BlockPool
 from .request import Request
 
 
@@ -54,7 +54,7 @@ class KVCacheManager:
             full = min(total // self.block_size, len(req.block_hashes))
             bs = self.block_size
             for i in range(start, full):
-                parent = req.block_hashes[i - 1] if i else ROOT_HASH
+                parent = req.block_hashes[i - 1] if i else req.root_hash
                 self.pool.cache(table[i], req.block_hashes[i], (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
             self._num_hashed[req.request_id] = max(start, full)
         return True

@@ -26,6 +26,7 @@ from .layers.attention import PagedAttention
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.layernorm import RMSNorm
 from .layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, WeightFormat, weight_bytes
+from .layers.lora import LoRARows, add_lora
 from .layers.parallel import SingleRank, shard
 from .layers.rotary_embedding import RotaryEmbedding
 
@@ -69,12 +70,12 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.heads, self.kv_heads, hd, fmt.kernels, fmt.dtype)
         self.q_size, self.kv_size = self.heads * hd, self.kv_heads * hd
 
-    def forward(self, h: torch.Tensor, kv: torch.Tensor, batch: StepBatch, keep_rows: torch.Tensor | None
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, kv: torch.Tensor, batch: StepBatch, keep_rows: torch.Tensor | None,
+                lora: LoRARows | None = None) -> torch.Tensor:
         """Store this step's keys and values, and return the attention output (not yet projected) of every row,
         or with ``keep_rows`` of those rows only."""
         T, hd = h.shape[0], self.head_dim
-        qkv = self.qkv_proj(h)
+        qkv = add_lora(lora, self.qkv_proj(h), h, "qkv")
         qk = self.rotary(qkv[:, :self.q_size + self.kv_size].view(T, -1, hd), batch)     # q and k at once
         q, k = qk[:, :self.heads], qk[:, self.heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.kv_heads, hd)
@@ -100,8 +101,9 @@ class LlamaMLP(nn.Module):
                                            m + "down_proj.weight")
         self.act = SiluAndMul(fmt.kernels)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(h)))
+    def forward(self, h: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+        a = self.act(add_lora(lora, self.gate_up_proj(h), h, "gate_up"))
+        return add_lora(lora, self.down_proj(a), a, "down")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,6 +111,7 @@ class LlamaDecoderLayer(nn.Module):
                  rotary: RotaryEmbedding, group):
         super().__init__()
         p = f"model.layers.{index}."
+        self.index = index
         self.input_layernorm = RMSNorm(weights[p + "input_layernorm.weight"], config.rms_norm_eps, fmt)
         self.self_attn = LlamaAttention(config, weights, p, fmt, rotary, group)
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], config.rms_norm_eps,
@@ -124,13 +127,17 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """``x`` [T, hidden] through the layer, updated in place; with ``keep_rows`` only those rows go on past
         the KV write (and are returned)."""
-        attn = self.self_attn(self.input_layernorm(x), kv, batch, keep_rows)
+        lora = batch.lora.at(self.index) if batch.lora is not None else None    # adapters' rows (layers/lora.py)
+        attn = self.self_attn(self.input_layernorm(x), kv, batch, keep_rows, lora)
         if keep_rows is not None:
             x = x.index_select(0, keep_rows)
+            lora = lora.select(keep_rows) if lora is not None else None
         for start in range(0, x.shape[0], Linear.PIECE):   # row pieces bound the MLP's wide intermediates
             r = slice(start, start + Linear.PIECE)
-            h = self.post_attention_layernorm(x[r], delta=self.self_attn.o_proj(attn[r]))   # x[r] += o(attn) first
-            x[r] += self.mlp(h)
+            piece = lora.narrow(start, start + Linear.PIECE) if lora is not None else None
+            o = add_lora(piece, self.self_attn.o_proj(attn[r]), attn[r], "o")
+            h = self.post_attention_layernorm(x[r], delta=o)   # x[r] += o(attn) first
+            x[r] += self.mlp(h, piece)
         return x
 
     def weight_bytes(self) -> int:

@@ -119,7 +119,7 @@ class ModelRunner:
         # nothing but logits nobody reads (for a prompt chunk, all its rows but the last).
         trim = not all_logits and batch.logits_rows.shape[0] < x.shape[0]
         keep = batch.logits_rows if trim else None
-        if (self.decoder_call is not None and self.use_decoder_call and not batch.long_spans
+        if (self.decoder_call is not None and self.use_decoder_call and not batch.long_spans and batch.lora is None
                 and all(grp.q_len == 1 for grp in batch.groups)):
             x = self.decoder_call(x, batch, keep)
         else:

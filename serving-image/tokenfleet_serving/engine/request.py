@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_pool import ROOT_HASH, hash_prefix_blocks
+from .block_pool import adapter_root_hash, hash_prefix_blocks
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,8 +48,10 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None):
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None, lora: str | None = None):
         self.request_id = request_id
+        self.lora = lora                   # the LoRA adapter's name (None: the base model)
+        self.root_hash = adapter_root_hash(lora)     # its first block's hash chains from this
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
@@ -97,7 +99,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def update_block_hashes(self, block_size: int) -> None:
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
         self.block_hashes += hash_prefix_blocks(self.all_token_ids, block_size, len(self.block_hashes), parent)
 
     def append_token(self, token_id: int) -> None:

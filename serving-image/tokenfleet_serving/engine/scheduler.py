@@ -7,6 +7,8 @@ request is preempted (its blocks freed, to be recomputed later). Waiting
 requests are admitted in arrival order (FCFS) only in steps without a
 preemption, while the budget and ``max_num_seqs`` allow, each reusing its
 longest cached prefix; a prompt longer than the remaining budget is chunked.
+With ``max_loras``, a waiting request whose LoRA adapter would be one adapter
+too many among the running requests waits, and those behind it may go first.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int = 0                 # distinct LoRA adapters among running requests (0: no bound)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -105,10 +108,16 @@ class Scheduler:
                 continue
             break          # req itself was preempted: it was the last running request
         if not preempted:
+            adapters = {r.lora for r in self.running if r.lora}
+            held_back: list[Request] = []       # waiting for a place among max_loras adapters
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 if req.waits_for_prompt:         # n > 1: a sibling computes the shared prompt first
                     break
+                if (self.config.max_loras and req.lora and req.lora not in adapters
+                        and len(adapters) >= self.config.max_loras):
+                    held_back.append(self.waiting.popleft())
+                    continue
                 cached = self.kv.get_computed_blocks(req)
                 num_cached = len(cached) * self.kv.block_size
                 n = req.num_tokens - num_cached
@@ -128,6 +137,9 @@ class Scheduler:
                 self._count_prompt(req, n)
                 scheduled.append((req, n))
                 budget -= n
+                if req.lora:
+                    adapters.add(req.lora)
+            self.waiting.extendleft(reversed(held_back))
         if scheduled:
             self.counters.num_steps += 1
         return scheduled

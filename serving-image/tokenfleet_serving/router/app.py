@@ -121,6 +121,7 @@ class _Request:
     session_key: str | None = None
     sequence: int = 0
     fallback: bool = False
+    adapter: str | None = None          # the LoRA adapter the request names (policy.py)
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -430,7 +431,10 @@ class Router:
             info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
         else:
             info = prompt_info(kind, body, None)
-        ctx.hashes = block_hashes(info.token_ids, self.config.kv_block_size) if info.token_ids else ()
+        model = body.get("model") if isinstance(body, dict) else None
+        ctx.adapter = model if isinstance(model, str) and self.fleet.serves_adapter(model) else None
+        ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter)
+                      if info.token_ids else ())
 
         tiers = self.config.tiers
         picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
@@ -473,7 +477,7 @@ class Router:
         for _ in range(MAX_ATTEMPTS):
             now = self.fleet.clock()
             pinned = self.fleet.sessions.pinned(ctx.session_key, now) if ctx.session_key else None
-            decision = choose(RouteRequest(ctx.hashes, ctx.session_key, pinned, ctx.sequence),
+            decision = choose(RouteRequest(ctx.hashes, ctx.session_key, pinned, ctx.sequence, ctx.adapter),
                               self.fleet.views(ctx.tier, ctx.excluded(self.fleet)), self.params)
             if decision is None:
                 return None

@@ -27,6 +27,14 @@ piling onto one replica. The bound applies to session affinity, prefix-aware and
   KV router cost; ``blocks`` is the request's full-block count,
   ``maxLoad = max(1, largest load)``).
 
+**LoRA adapters** (the request's ``model`` names an adapter some backend has in memory): among the
+backends within the load bound that hold the adapter in memory, the policy below chooses (reason
+``adapter``, or ``prefix-hit`` with a cache hit); when none of them is within the bound, the policy chooses
+among all backends as for the base model and the chosen one loads the adapter, so a hot adapter spreads over
+more replicas as its load grows. Prefix affinity stays within an adapter: the request's block hashes chain
+from the adapter's root (``block_pool.adapter_root_hash``), as the engine's do, so they can only match blocks
+computed with the same adapter.
+
 **Session affinity** (when on and the request carries the header): the
 session's pinned backend if it still exists, else rendezvous (highest random
 weight) hashing of the session key over the backends, so adding or removing
@@ -50,7 +58,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK, Tier
 
@@ -63,6 +71,7 @@ KV_SCORE = "kv-score"
 SESSION = "session"
 SESSION_OVERFLOW = "session-overflow"
 ONLY_BACKEND = "only-backend"
+ADAPTER = "adapter"              # among the backends holding the request's LoRA adapter
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class BackendView:
     load: int = 0                      # running + waiting requests
     kv_usage: float = 0.0              # 0..1
     cached: Collection[str] = frozenset()  # hex block hashes it holds
+    adapters: Collection[str] = frozenset()  # LoRA adapters it has in memory
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class RouteRequest:
     session: str | None = None         # session key (header value), when session affinity is on
     pinned: str | None = None          # backend the session was last sent to
     sequence: int = 0                  # the router's request counter
+    adapter: str | None = None         # the LoRA adapter the request names (None: a base model)
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,12 @@ def choose(req: RouteRequest, backends: Sequence[BackendView], params: PolicyPar
         only = backends[0]
         return Decision(only.name, ONLY_BACKEND, matched_blocks(req.block_hashes, only.cached))
     capacity = load_capacity([b.load for b in backends], params.load_factor, params.load_slack)
+    if req.adapter is not None:
+        holders = [b for b in backends if req.adapter in b.adapters and within_bound(b.load, capacity)]
+        if holders and len(holders) < len(backends):
+            d = choose(replace(req, adapter=None), holders, params)
+            assert d is not None
+            return Decision(d.backend, PREFIX_HIT if d.reason == PREFIX_HIT else ADAPTER, d.matched_blocks)
     tie = _tie_key(req)
 
     def tiebreak(b: BackendView) -> int:

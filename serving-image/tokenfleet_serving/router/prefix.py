@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenfleet_serving.engine.block_pool import hash_prefix_blocks
+from tokenfleet_serving.engine.block_pool import adapter_root_hash, hash_prefix_blocks
 
 HASH_SCHEME = "sha256-chain-uint32le"
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> tuple[str, ...]:
-    """Hex hashes of the full blocks of ``token_ids`` (at most ``max_blocks`` of them)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                 adapter: str | None = None) -> tuple[str, ...]:
+    """Hex hashes of the full blocks of ``token_ids`` (at most ``max_blocks`` of them), chained from the root
+    of the LoRA ``adapter`` when one is named."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if max_blocks is not None:
         token_ids = token_ids[:max_blocks * block_size]
-    return tuple(h.hex() for h in hash_prefix_blocks(token_ids, block_size))
+    return tuple(h.hex() for h in hash_prefix_blocks(token_ids, block_size, parent=adapter_root_hash(adapter)))

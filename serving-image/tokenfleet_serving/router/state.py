@@ -43,6 +43,8 @@ class EngineSample:
     kv_usage: float = 0.0
     generation_tokens: float | None = None  # cumulative counter; None: not exported
     ready: bool | None = None               # tokenfleet:ready; None: not exported (another server)
+    adapters: frozenset[str] = frozenset()  # LoRA adapters in memory (tokenfleet:lora_adapter_loaded == 1)
+    served_adapters: frozenset[str] = frozenset()   # every LoRA adapter it serves (in memory or not)
 
     @property
     def load(self) -> int:
@@ -55,10 +57,16 @@ def parse_engine_metrics(text: str) -> EngineSample:
 
     sums: dict[str, float] = collections.defaultdict(float)
     seen: set[str] = set()
+    adapters: set[str] = set()
+    served: set[str] = set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             seen.add(s.name)
             sums[s.name] += s.value
+            if s.name == "tokenfleet:lora_adapter_loaded" and "adapter" in s.labels:
+                served.add(s.labels["adapter"])
+                if s.value > 0:
+                    adapters.add(s.labels["adapter"])
     gen = "vllm:generation_tokens_total"
     if gen not in seen and "vllm:generation_tokens" in seen:
         gen = "vllm:generation_tokens"
@@ -68,6 +76,8 @@ def parse_engine_metrics(text: str) -> EngineSample:
         kv_usage=min(1.0, max(0.0, sums["vllm:kv_cache_usage_perc"])),
         generation_tokens=sums[gen] if gen in seen else None,
         ready=(sums["tokenfleet:ready"] > 0) if "tokenfleet:ready" in seen else None,
+        adapters=frozenset(adapters),
+        served_adapters=frozenset(served),
     )
 
 
@@ -274,8 +284,14 @@ class Fleet:
     def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
         now = self.clock()
         return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
-                            _CachedView(b.cached, b.recent, now) if b.recent else b.cached)
+                            _CachedView(b.cached, b.recent, now) if b.recent else b.cached,
+                            b.sample.adapters if b.sample else frozenset())
                 for b in self.routable(tier) if b.name not in exclude]
+
+    def serves_adapter(self, model: object) -> bool:
+        """Whether ``model`` is a LoRA adapter some routable backend serves."""
+        return isinstance(model, str) and any(b.sample is not None and model in b.sample.served_adapters
+                                              for b in self.routable())
 
     def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
         b = self.backends.get(name)

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
+from tokenfleet_serving.engine.lora_manager import UnknownAdapter
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
 from tokenfleet_serving.engine.structured.spec import StructuredOutputError
@@ -31,6 +32,7 @@ from tokenfleet_serving.openai.sse import DONE_EVENT, sse_event
 from tokenfleet_serving.openai.tool_calls import apply_tool_calls, finish_reason, tool_call_stream, tool_output_parser
 from tokenfleet_serving.openai.tool_parsers import ToolParser
 
+from . import lora_api
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .metrics import RequestTimer, ServerMetrics
@@ -59,6 +61,7 @@ class ServerConfig:
     engine_stall_timeout_s: float = 120.0               # a step this long means the engine is stuck
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
     tool_call_parser: str | None = None                 # reads tool calls for tool_choice auto (openai/tool_parsers)
+    lora_modules: tuple[tuple[str, str], ...] = ()       # (name, PEFT directory) loaded at start (--lora-modules)
 
 
 class Server:
@@ -95,6 +98,8 @@ class Server:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/cache/blocks", self.cache_blocks)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     async def load(self) -> None:
@@ -120,6 +125,8 @@ class Server:
             log.error("loading the model failed: %s", e)
             raise
         self.engine = engine
+        for name, path in self.config.lora_modules:       # --lora-modules: a bad one fails the start, named
+            await asyncio.to_thread(engine.load_lora_adapter, name, path)
         for phase, at in getattr(engine, "startup_marks", {}).items():
             self.phases.mark(phase, at)
         if self.config.warm_restart is not None:
@@ -283,7 +290,16 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         ctx = self.limits.max_model_len if self.limits else 0
-        return web.json_response(P.models_response(list(self.config.served_model_names), self.created, ctx))
+        body = P.models_response(list(self.config.served_model_names), self.created, ctx)
+        if self.engine is not None and self.engine.lora is not None:
+            body["data"] += lora_api.adapter_models(self.engine, self.config.served_model_names[0], self.created, ctx)
+        return web.json_response(body)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_api.load(self, await self._read_json(request))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_api.unload(self, await self._read_json(request))
 
     async def cache_blocks(self, request: web.Request) -> web.Response:
         """Hashes of the full blocks now in the prefix cache, for cache-aware routing (spec in block_pool.py).
@@ -332,10 +348,8 @@ class Server:
     async def _run_request(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse(await self._read_json(request))
-        if req.model not in self.config.served_model_names:
-            raise ApiError(404, f"model '{req.model}' does not exist; this server serves "
-                                  f"{', '.join(self.config.served_model_names)}", "model")
         engine = self.engine
+        lora = lora_api.resolve(self, req.model)       # None: the base model; 404 for a model not served
         tool_parser = tool_output_parser(req.tools, self.config.tool_call_parser)
         ids = prompt_token_ids(engine.tokenizer, req, engine.model_config.vocab_size)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.limits)
@@ -349,7 +363,7 @@ class Server:
         try:
             for i, erid in enumerate(rids):
                 p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
-                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None))
+                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None, lora))
         except StructuredOutputError as e:     # a grammar that does not compile (in time): the field at fault
             self._abort(rids[:len(streams)])
             raise ApiError(400, e.message, e.param) from e
@@ -373,9 +387,9 @@ class Server:
             self.engine_loop.abort(rid)
 
     async def _submit(self, rid: str, ids: list[int], params: SamplingParams, req: P.GenerationRequest,
-                      share_prompt_with: str | None) -> asyncio.Queue:
+                      share_prompt_with: str | None, lora: str | None) -> asyncio.Queue:
         try:
-            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with)
+            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with, lora)
         except QueueFullError as e:
             raise ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
@@ -383,6 +397,8 @@ class Server:
             raise ApiError(503, str(e)) from e
         except StructuredOutputError:
             raise
+        except UnknownAdapter as e:   # unloaded since it was resolved
+            raise lora_api.not_found(self, req.model) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
             raise ApiError(400, str(e), P.named_param(str(e))) from e
         except Exception as e:        # the engine failed this request alone (engine_loop logged it)

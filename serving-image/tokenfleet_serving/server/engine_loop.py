@@ -121,9 +121,11 @@ class EngineLoop:
         return snap.stats.num_waiting + (self._submitted_seq - snap.drained_seq)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     continuation=None, share_prompt_with: str | None = None) -> asyncio.Queue:
+                     continuation=None, share_prompt_with: str | None = None,
+                     lora: str | None = None) -> asyncio.Queue:
         """Hand a request to the engine; returns the queue its outputs arrive on. A structured output's grammar
-        is compiled first on a worker thread (bounded in time), never on the step thread.
+        is compiled first on a worker thread (bounded in time), never on the step thread. ``lora``: the adapter
+        it runs with (None: the base model).
 
         Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses
         (StructuredOutputError for a grammar it cannot compile in time).
@@ -142,7 +144,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         self._submitted_seq += 1
         self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, continuation,
-                            (grammar, share_prompt_with), accepted))
+                            (grammar, share_prompt_with, lora), accepted))
         self._wake.set()
         try:
             await accepted
@@ -202,10 +204,10 @@ class EngineLoop:
         while self._inbox and self.error is None:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, seq, rid, ids, params, continuation, (grammar, sibling), fut = cmd
+                _, seq, rid, ids, params, continuation, (grammar, sibling, lora), fut = cmd
                 try:
                     extra = {k: v for k, v in (("continuation", continuation), ("grammar", grammar),
-                                               ("share_prompt_with", sibling)) if v is not None}
+                                               ("share_prompt_with", sibling), ("lora", lora)) if v is not None}
                     self.engine.add_request(rid, ids, params, **extra)
                     error = None
                 except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone

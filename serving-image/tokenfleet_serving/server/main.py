@@ -68,6 +68,15 @@ def parallel_config(args: ServeArgs):
     return config
 
 
+def lora_config(args: ServeArgs):
+    """The engine's LoRAConfig from the flags; None when adapters are off."""
+    from tokenfleet_serving.engine.lora_manager import LoRAConfig
+
+    if not args.enable_lora:
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+
+
 def config_from_args(args: ServeArgs):
     import os
     import socket
@@ -87,7 +96,8 @@ def config_from_args(args: ServeArgs):
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
                           quantization=args.quantization, speculative=speculative_config(args),
                           load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
-                          model_revision=args.model_revision,
+                          model_revision=args.model_revision, lora=lora_config(args),
+                          served_model_names=args.served_model_name or (),
                           structured_output_timeout_s=args.structured_output_timeout,
                           structured_output_cache_size=args.structured_output_cache_size)
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
@@ -101,7 +111,7 @@ def config_from_args(args: ServeArgs):
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or ())
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,

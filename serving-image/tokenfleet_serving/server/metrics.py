@@ -15,6 +15,7 @@ Two sources feed the registry:
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -248,6 +249,8 @@ class _EngineCollector:
         yield gauge("tokenfleet:kv_cache_blocks", "KV blocks in the pool.", s.num_kv_blocks)
         if s.spec_decode is not None:
             yield from _spec_decode_metrics(s.spec_decode, names, values)
+        if s.lora is not None:
+            yield from _lora_metrics(s.lora, names, values, time.time())
         rate = m.output_rate.rate()
         yield gauge("tokenfleet:output_tokens_per_second",
                     f"Generated tokens per second over the last {m.output_rate.window_s:g} s.", rate)
@@ -257,6 +260,30 @@ class _EngineCollector:
                 yield gauge("tokenfleet:cost_per_million_tokens_usd",
                             "Accelerator price per hour divided by output tokens per hour, per million tokens.",
                             cost)
+
+
+def _lora_metrics(lora, names: list[str], values: list[str], at: float) -> Iterable[Metric]:
+    """vLLM's ``vllm:lora_requests_info`` (value: the snapshot's wall-clock time, as vLLM sets it), and each
+    adapter's tokens, from which cost per token per adapter follows."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(lora.max_lora), ",".join(lora.running), ",".join(lora.waiting)], at)
+    yield info
+    prompt = CounterMetricFamily("tokenfleet:lora_prompt_tokens", "Prompt tokens of finished requests, per LoRA "
+                                 "adapter.", labels=names + ["adapter"])
+    generation = CounterMetricFamily("tokenfleet:lora_generation_tokens", "Tokens generated per LoRA adapter.",
+                                     labels=names + ["adapter"])
+    for adapter, (p, g) in sorted(lora.tokens.items()):
+        prompt.add_metric(values + [adapter], p)
+        generation.add_metric(values + [adapter], g)
+    yield prompt
+    yield generation
+    loaded = GaugeMetricFamily("tokenfleet:lora_adapter_loaded", "Each LoRA adapter this replica serves: 1 when "
+                               "it is in memory, 0 when it is read again on its next request (the router prefers "
+                               "1).", labels=names + ["adapter"])
+    for adapter in lora.adapters:
+        loaded.add_metric(values + [adapter], 1.0 if adapter in lora.in_memory else 0.0)
+    yield loaded
 
 
 def _spec_decode_metrics(sd, names: list[str], values: list[str]) -> Iterable[Metric]:
