@@ -4,12 +4,15 @@ A replica of world size ``tp`` (``pp`` > 1 is not built: refused by ``ParallelCo
 hosts, each running ``world_size / nnodes`` ranks, one process per local accelerator (or per share of the
 CPU cores). Global rank = node_rank * local_ranks + local index. Rank 0 serves the API, schedules and
 samples; before each forward pass it broadcasts the step's batch, and every rank runs the forward pass over
-its shards (``model_runner.py``). Backend: gloo on CPU, NCCL on CUDA.
+its shards (``model_runner.py``). Backend: gloo on CPU, NCCL on CUDA; when every rank is a CPU process of
+this host, the per-step collectives (broadcast, all-reduce, gather) go over one shared-memory segment
+instead (``shm_channel.py``), and gloo keeps the join and the identity check.
 
 Bounds: joining and every collective are bounded by ``timeout_s`` (a member that cannot reach the leader
 exits within it, naming its rank and the address it waited for); an idle rank 0 sends a keepalive every
 ``timeout_s / 4`` so that the followers' wait for the next batch is bounded too. A rank that dies breaks the
-others' next collective (gloo: at once, the connection closes; otherwise at the timeout): ``RankFailure``.
+others' next collective (gloo: at once, the connection closes; shared memory: at once, its process is gone
+from ``/proc``; otherwise at the timeout): ``RankFailure``.
 
 At join the ranks exchange the checkpoint identity (revision, or a fingerprint of the weight files, and the
 sha256 of config.json); any difference from rank 0's is refused on every rank, naming both.
