@@ -4,12 +4,15 @@ A replica of world size ``tp`` (``pp`` > 1 is not built: refused by ``ParallelCo
 hosts, each running ``world_size / nnodes`` ranks, one process per local accelerator (or per share of the
 CPU cores). Global rank = node_rank * local_ranks + local index. Rank 0 serves the API, schedules and
 samples; before each forward pass it broadcasts the step's batch, and every rank runs the forward pass over
-its shards (``model_runner.py``). Backend: gloo on CPU, NCCL on CUDA.
+its shards (``model_runner.py``). Backend: gloo on CPU, NCCL on CUDA; when every rank is a CPU process of
+this host, the per-step collectives (broadcast, all-reduce, gather) go over one shared-memory segment
+instead (``shm_channel.py``), and gloo keeps the join and the identity check.
 
 Bounds: joining and every collective are bounded by ``timeout_s`` (a member that cannot reach the leader
 exits within it, naming its rank and the address it waited for); an idle rank 0 sends a keepalive every
 ``timeout_s / 4`` so that the followers' wait for the next batch is bounded too. A rank that dies breaks the
-others' next collective (gloo: at once, the connection closes; otherwise at the timeout): ``RankFailure``.
+others' next collective (gloo: at once, the connection closes; shared memory: at once, its process is gone
+from ``/proc``; otherwise at the timeout): ``RankFailure``.
 
 At join the ranks exchange the checkpoint identity (revision, or a fingerprint of the weight files, and the
 sha256 of config.json); any difference from rank 0's is refused on every rank, naming both.
@@ -21,6 +24,7 @@ import datetime
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .shm_channel import ShmChannel, create_segment
 
 log = logging.getLogger("tokenfleet.distributed")
 
@@ -113,6 +119,7 @@ class ProcessGroup:
         self.collective_seconds = 0.0
         self.last_message = time.monotonic()
         self.broken: RankFailure | None = None
+        self.shm: ShmChannel | None = None     # the collectives over shared memory (every rank on this host, CPU)
 
     def _failed(self, what: str, error: BaseException) -> RankFailure:
         self.broken = RankFailure(f"rank {self.rank}: {what} failed (group at {self.config.address}, "
@@ -132,17 +139,31 @@ class ProcessGroup:
             self.collective_seconds += time.perf_counter() - started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None:
+            whole = x if x.is_contiguous() else x.contiguous()
+            self._run("all-reduce", self.shm.all_reduce, whole)
+            if whole is not x:
+                x.copy_(whole)
+            return x
         self._run("all-reduce", dist.all_reduce, x)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
+        if self.shm is not None:
+            got = self._run("gather", self.shm.gather, x)
+            return torch.cat(got, dim=1) if got is not None else None
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         self._run("gather", lambda: dist.gather(x, parts, dst=0))
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def broadcast(self, message: Any = None) -> Any:
         """Rank 0 sends ``message`` (pickled; tensors go as CPU tensors), every rank returns it."""
+        if self.shm is not None:
+            raw = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None
+            got_bytes = self._run("broadcast", self.shm.broadcast_bytes, raw)
+            self.last_message = time.monotonic()
+            return message if self.rank == 0 else pickle.loads(got_bytes)
         if self.rank == 0:
             message = _to(message, torch.device("cpu")) if self.device.type != "cpu" else message
             data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)),
@@ -171,7 +192,44 @@ class ProcessGroup:
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
+    def attach_shared_memory(self) -> bool:
+        """Move the collectives onto one shared-memory segment when every rank is a CPU process of this host
+        (same boot id and hostname, and every rank could open the segment rank 0 made); else keep gloo. gloo
+        carries the exchange that decides it. Returns whether the group now uses shared memory."""
+        if self.device.type != "cpu" or self.config.nnodes != 1:
+            return False
+        here = (socket.gethostname(), _boot_id())
+        path = None
+        if self.rank == 0:
+            try:
+                path = create_segment(str(self.config.master_port), self.size)
+            except OSError as e:
+                log.warning("no shared-memory segment for the group's collectives (%s); using gloo", e)
+        every = self.all_gather_object((here, path))
+        path = every[0][1]
+        same_host = path is not None and all(host == every[0][0] for host, _ in every)
+        channel = None
+        if same_host:
+            try:
+                channel = ShmChannel(path, self.rank, self.size, self.config.timeout_s)
+            except (OSError, ValueError) as e:
+                log.warning("rank %d cannot open the group's shared-memory segment %s (%s); using gloo",
+                            self.rank, path, e)
+        opened = self.all_gather_object(channel is not None)
+        if self.rank == 0 and path is not None:
+            os.unlink(path)                      # every rank that will use it holds its mapping
+        if channel is None or not all(opened):
+            if channel is not None:
+                channel.close()
+            return False
+        channel.ready()
+        self.shm = channel
+        return True
+
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -211,7 +269,21 @@ def join(config: ParallelConfig, rank: int, device: torch.device) -> ProcessGrou
         raise RankFailure(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     finally:
         done.set()
-    return ProcessGroup(config, rank, device)
+    group = ProcessGroup(config, rank, device)
+    try:
+        group.attach_shared_memory()
+    except RankFailure:
+        group.close()
+        raise
+    return group
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def checkpoint_identity(model_dir: str, revision: str | None = None) -> dict[str, str]:
