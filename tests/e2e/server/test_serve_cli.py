@@ -24,7 +24,8 @@ def serve(tmp_path, *args: str, model: str | None = None) -> tuple[subprocess.Co
     (["--served-model-name", "-v"], "expected one argument"),
     (["--served-model-name", "has space"], "'has space' is not a valid model name"),
     (["--served-model-name", "x" * 129], "is not a valid model name"),
-    (["--tensor-parallel-size", "8"], "unrecognized arguments: --tensor-parallel-size 8"),
+    (["--data-parallel-size", "8"], "unrecognized arguments: --data-parallel-size 8"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1"),
     (["--body-timeout", "-1"], "argument --body-timeout: must be a number > 0"),
 ])
