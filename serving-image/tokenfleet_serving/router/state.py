@@ -4,7 +4,8 @@ Every ``interval`` seconds (default 0.5) the poller fetches each listed
 endpoint's ``/metrics`` (vLLM names: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
 ``vllm:generation_tokens_total``; ``tokenfleet:ready`` when present) and
-``/cache/blocks`` (the engine's cached block hashes). Between polls the router
+``/cache/blocks`` (the engine's cached block hashes; a vLLM replica has none: the router keeps its own record
+of the blocks it sent there, ``backend_runtime.RoutedBlocks``). Between polls the router
 adds the blocks of requests it has just routed to the chosen backend's set for
 a few seconds, so a burst of requests sharing a new prefix sticks together
 before the next poll can show the prefix as cached.
@@ -24,14 +25,17 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
+from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM, BackendRuntime, RoutedBlocks
 from tokenfleet_serving.router.policy import BackendView
 
 log = logging.getLogger("tokenfleet.router.state")
 
 RECENT_TTL_S = 5.0
+# the load signals the router reads from a replica's /metrics; without them it routes by its own open requests
+LOAD_SIGNALS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class EngineSample:
     ready: bool | None = None               # tokenfleet:ready; None: not exported (another server)
     adapters: frozenset[str] = frozenset()  # LoRA adapters in memory (tokenfleet:lora_adapter_loaded == 1)
     served_adapters: frozenset[str] = frozenset()   # every LoRA adapter it serves (in memory or not)
+    signals: frozenset[str] = frozenset(LOAD_SIGNALS)  # which of LOAD_SIGNALS the text had
+    cache_blocks: int | None = None         # vllm:cache_config_info's num_gpu_blocks: the KV cache's size
+    block_size: int | None = None           # vllm:cache_config_info's block_size
 
     @property
     def load(self) -> int:
@@ -59,10 +66,13 @@ def parse_engine_metrics(text: str) -> EngineSample:
     seen: set[str] = set()
     adapters: set[str] = set()
     served: set[str] = set()
+    cache_info: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             seen.add(s.name)
             sums[s.name] += s.value
+            if s.name == "vllm:cache_config_info" and not cache_info:
+                cache_info = dict(s.labels)
             if s.name == "tokenfleet:lora_adapter_loaded" and "adapter" in s.labels:
                 served.add(s.labels["adapter"])
                 if s.value > 0:
@@ -78,7 +88,18 @@ def parse_engine_metrics(text: str) -> EngineSample:
         ready=(sums["tokenfleet:ready"] > 0) if "tokenfleet:ready" in seen else None,
         adapters=frozenset(adapters),
         served_adapters=frozenset(served),
+        signals=frozenset(n for n in LOAD_SIGNALS if n in seen),
+        cache_blocks=_label_int(cache_info, "num_gpu_blocks"),
+        block_size=_label_int(cache_info, "block_size"),
     )
+
+
+def _label_int(labels: dict[str, str], key: str) -> int | None:
+    try:
+        value = int(labels[key])
+    except (KeyError, ValueError):
+        return None
+    return value if value > 0 else None
 
 
 class CounterRate:
@@ -133,6 +154,10 @@ class BackendState:
     listed_ready: bool = False          # endpoints.json has called this pod ready at some time
     recent: dict[str, float] = field(default_factory=dict)
     tokens: CounterRate = field(default_factory=CounterRate)
+    routed: RoutedBlocks | None = None  # the router's record of the blocks it sent here (runtimes without
+                                        # /cache/blocks)
+    max_model_len: int | None = None    # from /v1/models (vLLM): the continuation's token budget
+    missing_logged: frozenset[str] | None = None   # the load signals it was last logged to lack
 
     @property
     def name(self) -> str:
@@ -191,8 +216,9 @@ class Fleet:
     """All backends of the service, keyed by pod name."""
 
     def __init__(self, config: RouterConfig, *, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 max_sessions: int = MAX_SESSIONS):
+                 max_sessions: int = MAX_SESSIONS, runtime: BackendRuntime = RUNTIME[TOKENFLEET]):
         self.config = config
+        self.runtime = runtime
         self.interval_s = interval_s
         self.stale_after_s = max(3 * interval_s, 3.0)
         self.clock = clock
@@ -211,7 +237,8 @@ class Fleet:
                 old.listed_ready = old.listed_ready or ep.ready
                 fresh[ep.pod] = old
             else:
-                fresh[ep.pod] = BackendState(ep, listed_ready=ep.ready)
+                fresh[ep.pod] = BackendState(ep, listed_ready=ep.ready,
+                                             routed=RoutedBlocks() if self.runtime.records_routed_blocks else None)
         self.backends = fresh
         self.endpoints_loaded = True
 
@@ -222,6 +249,13 @@ class Fleet:
         if b is None:
             return
         now = self.clock()
+        self._note_signals(b, sample)
+        if self.runtime.metrics_mean_ready and sample.ready is None and sample.signals:
+            sample = replace(sample, ready=True)   # its HTTP server, /metrics included, starts after the engine
+        if sample.block_size is not None and block_size is None:
+            block_size = sample.block_size
+        if b.routed is not None and sample.cache_blocks is not None and sample.cache_blocks != b.routed.capacity:
+            b.routed.resize(sample.cache_blocks)
         b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
         if cached is not None:
             b.cached = cached
@@ -233,6 +267,20 @@ class Fleet:
                             "prefix hits on it cannot be seen", name, block_size, self.config.kv_block_size)
         if sample.generation_tokens is not None:
             b.tokens.add(now, sample.generation_tokens)
+
+    @staticmethod
+    def _note_signals(b: BackendState, sample: EngineSample) -> None:
+        """Log once (and again when it changes) which load signals a backend's /metrics lacks."""
+        missing = frozenset(LOAD_SIGNALS) - sample.signals
+        if missing == (b.missing_logged or frozenset()):
+            return
+        if missing:
+            log.warning("backend %s: its /metrics has no %s: routing it by this router's own open requests%s",
+                        b.name, ", ".join(sorted(missing)),
+                        "" if missing != frozenset(LOAD_SIGNALS) else " (it speaks neither runtime's metrics)")
+        elif b.missing_logged:
+            log.info("backend %s: its /metrics has every load signal again", b.name)
+        b.missing_logged = missing
 
     def record_poll_failure(self, name: str, error: str) -> None:
         b = self.backends.get(name)
@@ -284,6 +332,7 @@ class Fleet:
     def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
         now = self.clock()
         return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
+                            b.routed if b.routed is not None else
                             _CachedView(b.cached, b.recent, now) if b.recent else b.cached,
                             b.sample.adapters if b.sample else frozenset())
                 for b in self.routable(tier) if b.name not in exclude]
@@ -296,6 +345,9 @@ class Fleet:
     def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
         b = self.backends.get(name)
         if b is None or not block_hashes:
+            return
+        if b.routed is not None:
+            b.routed.add(block_hashes)
             return
         expiry = self.clock() + RECENT_TTL_S
         for h in block_hashes:
@@ -319,11 +371,18 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
 
     async def get_metrics() -> EngineSample:
         async with session.get(f"{base}/metrics", timeout=timeout) as r:
+            if r.status in (404, 405):      # a server without /metrics: it lives, and is routed by own counts
+                return EngineSample(signals=frozenset())
             if r.status != 200:
                 raise RuntimeError(f"/metrics answered {r.status}")
-            return parse_engine_metrics(await r.text())
+            try:
+                return parse_engine_metrics(await r.text())
+            except ValueError:              # not Prometheus text
+                return EngineSample(signals=frozenset())
 
     async def get_blocks() -> tuple[frozenset[str] | None, int | None]:
+        if not fleet.runtime.polls_cache_blocks:
+            return None, None
         async with session.get(f"{base}/cache/blocks", headers=headers, timeout=timeout) as r:
             if r.status in (403, 404, 503):  # closed to us (a server without --api-key), another server,
                 return None, None              # or the model is still loading: route without its cache
@@ -352,6 +411,21 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
         return
     if fleet.backends.get(b.name) is b:  # not replaced by a new pod of the same name meanwhile
         fleet.record_poll(b.name, sample, cached, block_size)
+        if fleet.runtime.name == VLLM and b.max_model_len is None:
+            b.max_model_len = await _max_model_len(session, base, headers, timeout)
+
+
+async def _max_model_len(session, base: str, headers: dict[str, str], timeout) -> int | None:
+    """A vLLM replica's context length, from its /v1/models (None when it does not say)."""
+    try:
+        async with session.get(f"{base}/v1/models", headers=headers, timeout=timeout) as r:
+            body = await r.json() if r.status == 200 else None
+    except Exception:  # noqa: BLE001 - asked again at the next poll
+        return None
+    for entry in (body or {}).get("data") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("max_model_len"), int):
+            return int(entry["max_model_len"])
+    return None
 
 
 async def poll_forever(session, fleet: Fleet, api_key: str | None = None) -> None:
