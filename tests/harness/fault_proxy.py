@@ -12,6 +12,8 @@ continuation the router sends after a migration), one fault:
   kills the backend process), then close the connection to the router;
 - ``refuse``: answer the request with ``status`` and an OpenAI error body instead of passing it on.
 
+A continuation is a request with ``continuation`` (the bundled engine) or a token-id ``prompt`` (vLLM).
+
 Faults are driven by the events of the stream, never by time.
 """
 from __future__ import annotations
@@ -101,7 +103,9 @@ class FaultProxy:
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict) and parsed.get("stream"):
-                fault = self._take("continuation" if "continuation" in parsed else "fresh")
+                # the bundled engine's continuation carries "continuation"; a vLLM one is a token-id prompt
+                continued = "continuation" in parsed or isinstance(parsed.get("prompt"), list)
+                fault = self._take("continuation" if continued else "fresh")
         if fault is not None and fault.kind == "refuse":
             return web.json_response({"error": {"message": "the fault proxy refuses this continuation",
                                                 "type": "invalid_request_error", "param": None,

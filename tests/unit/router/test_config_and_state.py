@@ -121,7 +121,8 @@ def test_parse_engine_metrics():
     assert s == EngineSample(running=3, waiting=2, kv_usage=0.25, generation_tokens=1234, ready=False)
     assert s.load == 5
     other = parse_engine_metrics('vllm:num_requests_waiting{engine="0"} 1\nvllm:num_requests_waiting{engine="1"} 4\n')
-    assert other == EngineSample(waiting=5, generation_tokens=None, ready=None)
+    assert other == EngineSample(waiting=5, generation_tokens=None, ready=None,
+                                 signals=frozenset({"vllm:num_requests_waiting"}))
 
 
 def test_counter_rate_window_and_reset():
