@@ -114,6 +114,14 @@ class EngineSpec(ApiModel):
         ),
     )
 
+    runtime: Literal["tokenfleet", "vllm"] = Field(
+        default="tokenfleet",
+        description="The engine the replicas run (docs/runtimes.md): tokenfleet, the bundled engine ('tokenfleet "
+        "serve'), or vllm ('vllm serve' in spec.image, a vLLM image such as vllm/vllm-openai). The operator builds "
+        "the engine's command line, probes and API key from the fields of this spec; a field the chosen runtime "
+        "cannot honour makes the service Ready=False with reason NotSupportedByRuntime, naming the field. The "
+        "router always runs from the operator's own image. One runtime per InferenceService.",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Activation and weight dtype; auto uses the model's own."
     )
