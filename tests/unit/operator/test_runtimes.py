@@ -180,3 +180,32 @@ def test_every_owned_flag_is_named_once():
     names = [n for owned in OWNED_FLAGS for n in (owned.flag, *owned.aliases)]
     assert len(names) == len(set(names))
     assert extra_args_collision(["--enforce-eager", "8", "-O3"]) is None
+
+
+def test_a_vllm_replica_that_exits_on_its_arguments_fails_its_slice_at_once_with_vllms_last_line():
+    import datetime as dt
+
+    from tokenfleet_operator.api import SliceSpec
+    from tokenfleet_operator.gang.slice_state import plan_slice, pod_view, slice_revision
+
+    body, spec = one_host(engine={"extraArgs": ["--bogus-flag", "1"]})
+    manifest = slice_manifest(body, spec, 0)
+    slice_spec = SliceSpec.model_validate(manifest["spec"])
+    rev = slice_revision(slice_spec)
+    # what the kubelet reports for vllm 0.32.0 given an unknown flag: exit 2, and (FallbackToLogsOnError) the
+    # end of its log, argparse's usage first and its error last
+    log_tail = ("usage: vllm [-h] [-v]\n            {chat,complete,serve,...}\n"
+                "vllm: error: unrecognized arguments: --bogus-flag 1\n")
+    pod = pod_view({"metadata": {"name": "llama-0-0", "labels": {"tokenfleet.dev/member": "0",
+                                                                 "tokenfleet.dev/attempt": "0",
+                                                                 "tokenfleet.dev/revision": rev}},
+                    "spec": {"nodeName": "node-0"},
+                    "status": {"phase": "Failed", "containerStatuses": [{"name": "engine", "restartCount": 0, "state": {
+                        "terminated": {"exitCode": 2, "reason": "Error", "message": log_tail}}}]}})
+    plan = plan_slice({**manifest, "status": {"phase": "Placing", "revision": rev}}, slice_spec, [pod],
+                      now=dt.datetime(2026, 12, 1, tzinfo=dt.UTC))
+    assert plan.status["phase"] == "Failed" and not plan.counts_restart and plan.create == []
+    failed = next(c for c in plan.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "ConfigurationError"
+    assert failed["message"].endswith("vllm: error: unrecognized arguments: --bogus-flag 1; a configuration error, "
+                                      "so no restart: the slice stays down until its spec changes")
