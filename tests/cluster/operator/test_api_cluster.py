@@ -38,6 +38,8 @@ INVALID = [
     (isvc("svc", accelerator={"type": "nvidia-h100-80gb", "countPerHost": 0}), ["spec.accelerator.countPerHost"]),
     (with_engine(kvBlockSize=12), ["spec.engine.kvBlockSize", "Unsupported value"]),
     (with_engine(dtype="int4"), ["spec.engine.dtype"]),
+    # issue 32: sglang is a runtime to come, not one the operator builds yet
+    (with_engine(runtime="sglang"), ["spec.engine.runtime", "Unsupported value", '"tokenfleet"', '"vllm"']),
     (isvc("svc", routing={"policy": "random"}), ["spec.routing.policy"]),
     (isvc("svc", model={"servedModelNames": ["m"]}), ["spec.model", "exactly one of path, pvc or hostPath"]),
     (isvc("svc", model={"path": "/m", "pvc": {"claimName": "w"}, "servedModelNames": ["m"]}), ["exactly one of"]),
@@ -198,6 +200,7 @@ def test_valid_objects_are_accepted_and_defaulted(installed, namespace):
     import json
     svc = json.loads(installed.kubectl("get", "tfis", "svc", "-n", namespace, "-o", "json").stdout)
     assert svc["spec"]["engine"]["kvBlockSize"] == 16
+    assert svc["spec"]["engine"]["runtime"] == "tokenfleet"
     assert svc["spec"]["routing"]["policy"] == "prefix-aware"
     assert svc["spec"]["slicePolicy"]["restartPolicy"]["maxRestarts"] == 3
     assert svc["spec"]["warmRestart"] == {"enabled": False, "maxMegabytes": 256}
