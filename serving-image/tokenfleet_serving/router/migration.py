@@ -223,14 +223,15 @@ def vllm_unmigratable(body: dict[str, Any]) -> str | None:
 
 def vllm_continuation(body: dict[str, Any], state: StreamState, *, chat: bool, path: str,
                       max_model_len: int | None) -> tuple[str, dict[str, Any]]:
-    """(path, body) of the request that continues ``state`` on a vLLM replica. Nothing delivered yet: the
-    original request again. Else a completion whose prompt is the prompt's token ids and the delivered ones;
-    sets ``state.as_chat`` and ``state.usage_shift`` for ``translate``."""
+    """(path, body) of the request that continues ``state`` on a vLLM replica: a completion whose prompt is the
+    prompt's token ids and the delivered ones; sets ``state.as_chat`` and ``state.usage_shift`` for
+    ``translate``. Broken before the prompt's ids arrived (nothing was delivered then): the original request
+    again."""
     delivered = len(state.token_ids)
-    if delivered == 0:
+    if state.prompt_token_ids is None:
+        assert delivered == 0
         state.as_chat, state.usage_shift = False, 0
         return path, {**body, "return_token_ids": True}
-    assert state.prompt_token_ids is not None
     prompt = state.prompt_token_ids + state.token_ids
     out: dict[str, Any] = {k: body[k] for k in VLLM_CARRIED if k in body}
     limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)

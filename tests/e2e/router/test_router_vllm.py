@@ -143,10 +143,10 @@ def test_requests_sharing_a_prefix_stay_on_one_replica(vfleet):
 
 
 @pytest.mark.parametrize("kind, after, client_ids", [
-    ("completion", 0, False),     # broken before the first event: the request again
+    ("chat", 1, False),           # only the opening chunk (with the prompt's ids) was relayed
     ("completion", 6, True),
     ("chat", 9, True),
-    ("chat", 4, False),
+    ("completion", 3, False),
 ])
 def test_a_broken_stream_continues_on_the_other_replica(vfleet, kind, after, client_ids):
     router = vfleet["router"]

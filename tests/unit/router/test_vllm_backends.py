@@ -138,7 +138,7 @@ def test_a_chat_without_a_limit_continues_to_the_end_of_the_context_and_nothing_
     _, body = vllm_continuation({"model": "tiny", "messages": []}, s, chat=True, path="/v1/chat/completions",
                                 max_model_len=100)
     assert body["max_tokens"] == 100 - 6
-    fresh = StreamState(client_wants_token_ids=False)
+    fresh = StreamState(client_wants_token_ids=False)      # broken before the first chunk
     original = {"model": "tiny", "prompt": "hello", "stream": True}
     assert vllm_continuation(original, fresh, chat=False, path="/v1/completions", max_model_len=None) == (
         "/v1/completions", original | {"return_token_ids": True})
