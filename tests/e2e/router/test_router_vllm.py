@@ -144,8 +144,8 @@ def test_requests_sharing_a_prefix_stay_on_one_replica(vfleet):
 
 @pytest.mark.parametrize("kind, after, client_ids", [
     ("chat", 1, False),           # only the opening chunk (with the prompt's ids) was relayed
-    ("completion", 6, True),
-    ("chat", 9, True),
+    ("completion", 5, True),
+    ("chat", 4, True),            # (a loaded API server sends several tokens a chunk: breaks come early)
     ("completion", 3, False),
 ])
 def test_a_broken_stream_continues_on_the_other_replica(vfleet, kind, after, client_ids):

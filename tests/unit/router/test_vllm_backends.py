@@ -155,3 +155,25 @@ def test_what_a_token_id_prompt_cannot_carry_is_not_migratable():
     for extra in ({"logprobs": 2}, {"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
                   {"echo": True}, {"tool_choice": "required"}):
         assert vllm_unmigratable(extra) is not None, extra
+
+
+def test_a_character_split_over_the_last_tokens_is_generated_again_not_sent_twice():
+    from tokenfleet_serving.router.migration import incomplete_tail
+    from tokenfleet_serving.testing_models import build_tokenizer
+
+    tok = build_tokenizer(512)
+    euro = tok.encode("€").ids                      # byte-level: three tokens, one per byte
+    assert len(euro) == 3
+    decode = tok.decode
+    assert incomplete_tail(decode, [*tok.encode("a b").ids, *euro[:2]]) == 2
+    assert incomplete_tail(decode, [*tok.encode("a b").ids, *euro]) == 0
+    s = chat_stream_state()                         # delivered 10, 11, 12
+    _, body = vllm_continuation({"model": "tiny", "max_tokens": 10}, s, chat=True, path="/v1/chat/completions",
+                                max_model_len=None, held_back=2)
+    assert body["prompt"] == [3, 89, 87, 10] and body["max_tokens"] == 9 and s.skip_ids == 2
+    s.continuing = True
+    out = s.accept(s.translate({"id": "c", "choices": [{"index": 0, "text": "bc", "token_ids": [11, 12, 13]}]}))
+    assert s.token_ids == [10, 11, 12, 13] and s.skip_ids == 0
+    assert out["choices"][0]["delta"] == {"content": "bc"}
+    usage = s.translate({"id": "c", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}})["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3, 10)
