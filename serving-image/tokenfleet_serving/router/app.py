@@ -126,6 +126,8 @@ class _Request:
     sequence: int = 0
     fallback: bool = False
     adapter: str | None = None          # the LoRA adapter the request names (policy.py)
+    prompt_ids: list[int] | None = None  # the prompt as this router tokenized it (a vLLM stream's continuation
+                                         # uses it when the replica did not report the prompt's ids)
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -443,6 +445,8 @@ class Router:
         ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter)
                       if info.token_ids else ())
 
+        if stream is not None and self.runtime.name == VLLM and info.token_ids:
+            ctx.prompt_ids = list(info.token_ids)
         tiers = self.config.tiers
         picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
         del info
@@ -704,6 +708,10 @@ class Router:
                 state.done = True
                 await response.write(DONE_EVENT)
                 return
+            if self.runtime.name == VLLM and state.prompt_token_ids is None and ctx.prompt_ids:
+                # vLLM sends a completion's prompt ids with its first chunk that has output, and none when that
+                # first output was empty: the router's own tokenization (the same tokenizer) stands in
+                state.prompt_token_ids = ctx.prompt_ids
             if self.runtime.name == VLLM and state.token_ids and state.prompt_token_ids is None:
                 state.unmigratable = state.unmigratable or "the vLLM replica did not report the prompt's token ids"
             failure = state.why_not(limit)
