@@ -133,3 +133,31 @@ def test_pod_dns_names_become_the_addresses_cluster_dns_would_answer():
     assert list(c.argv[4:]) == ["--master-addr", "127.2.0.7", "--peer=127.2.0.7:29500",
                                 "--other", "s-0.s.ns1.svc.cluster.local",       # no record given: left as is
                                 "--not-a-pod", "example.com"]
+
+
+def test_vllm_images_run_vllm_serve_from_the_cpu_builds_venv(tmp_path, monkeypatch):
+    from tokenfleet_dev.localcluster.launch import image_runtime
+
+    assert image_runtime("vllm/vllm-openai:v0.32.0", PREFIX) == "vllm"
+    assert image_runtime("docker.io/vllm/vllm-openai:latest", PREFIX) == "vllm"
+    assert image_runtime("localhost:5000/vllm/vllm-cpu:1", PREFIX) == "vllm"
+    assert image_runtime("myorg/vllm:1", PREFIX) is None and image_runtime("vllmx/server", PREFIX) is None
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text("")
+    monkeypatch.setenv("TOKENFLEET_VLLM_VENV", str(tmp_path))
+    p = pod([{"name": "engine", "image": "vllm/vllm-openai:v0.32.0",
+              "args": ["/models/m", "--host", "0.0.0.0", "--port", "8000"],
+              "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "2"}],
+              "resources": {"limits": {"cpu": "1500m"}}}])
+    (c,) = container_launches(p, "127.2.0.9", "127.10.0.1", {"PATH": "/bin", "PYTHONPATH": "/src"}, "/tmp/s", PREFIX)
+    # the image's entrypoint (vllm serve) when the pod gives no command, bound to the pod's address
+    assert c.argv == (str(tmp_path / "bin" / "vllm"), "serve", "/models/m", "--host", "127.2.0.9", "--port", "8000")
+    assert "PYTHONPATH" not in c.env and c.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert c.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and c.env["OMP_NUM_THREADS"] == "2" and c.env["HF_HUB_OFFLINE"] == "1"
+    p2 = pod([{"name": "engine", "image": "vllm/vllm-openai:v0.32.0",
+               "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}])
+    (c2,) = container_launches(p2, "127.2.0.9", "127.10.0.1", {}, "/tmp/s", PREFIX)
+    assert c2.argv[0] == str(tmp_path / "bin" / "python")
+    monkeypatch.setenv("TOKENFLEET_VLLM_VENV", str(tmp_path / "missing"))
+    with pytest.raises(LaunchError, match="hack/vllm-cpu.sh"):
+        container_launches(p, "127.2.0.9", "127.10.0.1", {}, "/tmp/s", PREFIX)
