@@ -47,7 +47,8 @@ VLLM_IMAGE_JQ = 'test("^([^/]*[.:][^/]*/|localhost/)?vllm/")'
 # vLLM's process outside a container: the interpreter's packages are the venv's, not tokenfleet's
 VLLM_DROPPED_ENV = ("PYTHONPATH", "VIRTUAL_ENV")
 # what vLLM's CPU build needs here, unless the pod sets it: no pinning of its threads to cores that other pods
-# share, a small KV cache (GiB; vLLM's default takes a large part of the host's memory per replica), no hub
+# share, a small KV cache (GiB; vLLM's default takes a large part of the host's memory per replica; not set when
+# the command sets --kv-cache-memory-bytes, which the variable would override), no hub
 # downloads and no usage reports (there is no network)
 VLLM_ENV_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -310,6 +311,10 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
             argv = _vllm_argv(c["name"], argv)
             for k, v in VLLM_ENV_DEFAULTS.items():
                 env.setdefault(k, v)
+            if any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in argv) \
+                    and not any(e.get("name") == "VLLM_CPU_KVCACHE_SPACE" for e in c.get("env", [])):
+                # vLLM's CPU build takes VLLM_CPU_KVCACHE_SPACE over the flag: the pod's flag must win
+                del env["VLLM_CPU_KVCACHE_SPACE"]
             if cpu_limit is not None:        # as many threads as the limit has cores
                 env.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(cpu_limit / 1000))))
         elif argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):

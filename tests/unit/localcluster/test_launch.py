@@ -154,6 +154,10 @@ def test_vllm_images_run_vllm_serve_from_the_cpu_builds_venv(tmp_path, monkeypat
     assert c.argv == (str(tmp_path / "bin" / "vllm"), "serve", "/models/m", "--host", "127.2.0.9", "--port", "8000")
     assert "PYTHONPATH" not in c.env and c.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert c.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and c.env["OMP_NUM_THREADS"] == "2" and c.env["HF_HUB_OFFLINE"] == "1"
+    sized = pod([{"name": "engine", "image": "vllm/vllm-openai:v0.32.0",
+                  "args": ["/models/m", "--kv-cache-memory-bytes", "12582912"]}])
+    (c3,) = container_launches(sized, "127.2.0.9", "127.10.0.1", {}, "/tmp/s", PREFIX)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in c3.env          # it would override the operator's flag
     p2 = pod([{"name": "engine", "image": "vllm/vllm-openai:v0.32.0",
                "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}])
     (c2,) = container_launches(p2, "127.2.0.9", "127.10.0.1", {}, "/tmp/s", PREFIX)
