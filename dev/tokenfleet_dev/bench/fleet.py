@@ -301,19 +301,27 @@ def replica_cpu_seconds(ips: set[str]) -> float:
     """CPU seconds (user + system) used so far by the local processes of the serving pods at ``ips``: the
     share of the host the replicas actually got, which other work on a shared host changes from run to run."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    stats: dict[int, tuple[int, float]] = {}        # pid -> (parent pid, its CPU seconds)
+    serving: set[int] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"serve" not in argv or not any(a.decode(errors="replace") in ips for a in argv):
-                continue
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick          # utime, stime
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # ppid; utime+stime
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"serve" in argv and any(a.decode(errors="replace") in ips for a in argv):
+                serving.add(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue
-    return total
+    # and their children: vLLM runs its engine and its worker in processes of their own
+    def served(pid: int) -> bool:
+        for _ in range(8):
+            if pid in serving:
+                return True
+            pid = stats.get(pid, (0, 0.0))[0]
+        return False
+    return sum(cpu for pid, (_, cpu) in stats.items() if served(pid))
 
 
 class Sampler(threading.Thread):
