@@ -315,8 +315,10 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
                     and not any(e.get("name") == "VLLM_CPU_KVCACHE_SPACE" for e in c.get("env", [])):
                 # vLLM's CPU build takes VLLM_CPU_KVCACHE_SPACE over the flag: the pod's flag must win
                 del env["VLLM_CPU_KVCACHE_SPACE"]
-            if cpu_limit is not None:        # as many threads as the limit has cores
-                env.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(cpu_limit / 1000))))
+            # as many threads as the limit has cores; without a limit one, as the pods share the host's cores (vLLM's
+            # CPU worker keeps one OpenMP thread per core otherwise, and several replicas' spinning threads starve
+            # each other)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(cpu_limit / 1000))) if cpu_limit else "1")
         elif argv and argv[0] in ("tokenfleet", "/usr/local/bin/tokenfleet"):
             # The image's entrypoint: run the same CLI from this environment.
             argv = [sys.executable, "-m", "tokenfleet_cli", *argv[1:]]
