@@ -5,6 +5,7 @@ A runtime (``spec.engine.runtime``) says, from the spec and the few facts the bu
 - ``command``: the serving container's command line (the leader, or a headless member of a multi-host replica);
 - ``env``: the container's environment (the replica key, under the name the engine reads);
 - ``probes``: the startup, liveness and readiness probes of the leader and of a headless member;
+- ``volumes``: volumes the engine needs besides the model's (vLLM: a memory-backed /dev/shm for NCCL);
 - ``metrics``: where the engine serves Prometheus metrics (the router reads its load from there);
 - ``router_backend``: what the router is told the replicas speak (``tokenfleet route --backend-runtime``);
 - ``problems``: the fields of the spec the runtime cannot honour, and ``engine.extraArgs`` that collide with a
@@ -115,6 +116,10 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def probes(self, launch: Launch) -> Probes:
         """The probes of the leader (``launch.member`` 0) or of a headless member."""
+
+    def volumes(self, launch: Launch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(pod volumes, container mounts) the engine needs besides the model's; none by default."""
+        return [], []
 
     @abc.abstractmethod
     def problems(self, spec: InferenceServiceSpec) -> list[Problem]:
