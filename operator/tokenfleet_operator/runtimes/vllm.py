@@ -44,6 +44,15 @@ SHM_VOLUME = "dshm"
 # output channel, quantized at load: vLLM's online shorthand for the same scheme.
 QUANTIZATIONS = {"fp8": "fp8", "awq": "awq", "gptq": "gptq", "int8": "int8_per_channel_weight_only"}
 
+# Every engine field, by what this runtime does with it: a flag (FLAG_FIELDS) or a refusal (problems). A field
+# added to EngineSpec is neither until it is written here: a unit test holds the two together, so that no field
+# is silently dropped for vLLM.
+FLAG_FIELDS = frozenset({"runtime", "dtype", "max_model_len", "kv_block_size", "max_num_batched_tokens",
+                         "max_num_seqs", "kv_cache_mb", "enable_prefix_caching", "quantization",
+                         "speculative_decoding", "tensor_parallel_size", "pipeline_parallel_size", "tool_call_parser",
+                         "extra_args"})
+REFUSED_FIELDS: frozenset[str] = frozenset()
+
 # Multi-host replicas on vLLM: its multi-node mode (torch.distributed over the Slice's headless Service). Set to
 # False to refuse hostsPerReplica > 1 with a condition, should the vLLM build in use not run it.
 MULTI_HOST = True

@@ -222,3 +222,11 @@ def test_vllm_ranks_sharing_a_host_get_a_memory_backed_dev_shm():
     one_body, one = one_host()
     assert "dshm" not in json.dumps(slice_manifest(one_body, one, 0))
     assert "dshm" not in json.dumps(slice_manifest(body, InferenceServiceSpec.model_validate(isvc_body()["spec"]), 0))
+
+
+def test_every_engine_field_is_a_vllm_flag_or_refused_for_vllm():
+    from tokenfleet_operator.api.inference_service import EngineSpec
+    fields = set(EngineSpec.model_fields)
+    assert fields == vllm_runtime.FLAG_FIELDS | vllm_runtime.REFUSED_FIELDS, (
+        "an engine field vLLM neither gets as a flag nor refuses: "
+        f"{sorted(fields - vllm_runtime.FLAG_FIELDS - vllm_runtime.REFUSED_FIELDS)}")
