@@ -652,6 +652,7 @@ class InferenceService(Resource):
             PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
             PrinterColumn("URL", "string", ".status.url", "Router URL", priority=1),
             PrinterColumn("Topology", "string", ".spec.accelerator.topology", "Topology of one replica", priority=1),
+            PrinterColumn("Runtime", "string", ".spec.engine.runtime", "Engine the replicas run", priority=1),
         ),
         scale=True,
         root_validations=(
