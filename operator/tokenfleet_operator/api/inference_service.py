@@ -108,6 +108,12 @@ class EngineSpec(ApiModel):
             field_path=".maxNumBatchedTokens",
         ),
         rule(
+            "self.runtime == oldSelf.runtime",
+            "engine.runtime cannot change: an InferenceService runs one runtime (its replicas and its router speak "
+            "it); create another InferenceService with the other runtime, a fleet may hold both",
+            field_path=".runtime",
+        ),
+        rule(
             "self.quantization in ['none', 'int8'] || self.dtype != 'float32'",
             "quantized weights need dtype auto, float16 or bfloat16, not float32 (int8 takes any dtype)",
             field_path=".dtype",
