@@ -126,6 +126,19 @@ class Runtime(abc.ABC):
         """Fields this runtime cannot honour and extraArgs it refuses, first the most useful to fix."""
 
 
+def image_path(image: str) -> list[str]:
+    """The path segments of an image reference, without tag or digest: 'docker.io/vllm/vllm-openai:v1' ->
+    ['docker.io', 'vllm', 'vllm-openai']."""
+    head, _, last = image.split("@", 1)[0].rpartition("/")
+    return [*(head.split("/") if head else []), last.split(":", 1)[0]]
+
+
+def looks_like_vllm(image: str) -> bool:
+    """An image vLLM publishes or one named after it (vllm/vllm-openai, .../vllm-cpu-release-repo, ...)."""
+    path = image_path(image)
+    return "vllm" in path[:-1] or path[-1] == "vllm" or path[-1].startswith("vllm-")
+
+
 def not_supported(runtime: str, field_name: str, message: str) -> Problem:
     """The condition of a field a runtime cannot honour."""
     return Problem("NotSupportedByRuntime", field_name, f"runtime {runtime} {message}")

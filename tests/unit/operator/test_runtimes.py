@@ -230,3 +230,14 @@ def test_every_engine_field_is_a_vllm_flag_or_refused_for_vllm():
     assert fields == vllm_runtime.FLAG_FIELDS | vllm_runtime.REFUSED_FIELDS, (
         "an engine field vLLM neither gets as a flag nor refuses: "
         f"{sorted(fields - vllm_runtime.FLAG_FIELDS - vllm_runtime.REFUSED_FIELDS)}")
+
+
+@pytest.mark.parametrize("image", ["vllm/vllm-openai:v0.32.0", "docker.io/vllm/vllm-openai@sha256:" + "b" * 64,
+                                   "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"])
+def test_a_vllm_image_left_on_the_default_runtime_is_a_condition_naming_the_image(image):
+    spec = InferenceServiceSpec.model_validate(isvc_body(image=image)["spec"])
+    [problem] = check_inference_service(spec)
+    assert (problem.reason, problem.field) == ("NotSupportedByRuntime", "spec.image")
+    assert "set spec.engine.runtime to vllm" in problem.message
+    for other in ("tokenfleet/serving:0.1.0", "example.com/mine/server:1", "example.com/vllmish:1"):
+        assert check_inference_service(InferenceServiceSpec.model_validate(isvc_body(image=other)["spec"])) == []
