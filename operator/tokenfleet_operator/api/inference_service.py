@@ -108,6 +108,12 @@ class EngineSpec(ApiModel):
             field_path=".maxNumBatchedTokens",
         ),
         rule(
+            "self.runtime == oldSelf.runtime",
+            "engine.runtime cannot change: an InferenceService runs one runtime (its replicas and its router speak "
+            "it); create another InferenceService with the other runtime, a fleet may hold both",
+            field_path=".runtime",
+        ),
+        rule(
             "self.quantization in ['none', 'int8'] || self.dtype != 'float32'",
             "quantized weights need dtype auto, float16 or bfloat16, not float32 (int8 takes any dtype)",
             field_path=".dtype",
@@ -652,6 +658,7 @@ class InferenceService(Resource):
             PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
             PrinterColumn("URL", "string", ".status.url", "Router URL", priority=1),
             PrinterColumn("Topology", "string", ".spec.accelerator.topology", "Topology of one replica", priority=1),
+            PrinterColumn("Runtime", "string", ".spec.engine.runtime", "Engine the replicas run", priority=1),
         ),
         scale=True,
         root_validations=(

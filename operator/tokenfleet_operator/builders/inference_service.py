@@ -189,13 +189,14 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
         template_meta["annotations"] = key_annotations(wiring)
 
     def template(member: int) -> dict[str, Any]:
+        engine_volumes, engine_mounts = runtime_of(spec).volumes(launch(spec, model_dir, member))
         pod_spec: dict[str, Any] = {
-            "containers": [serving_container(spec, model_dir, mounts, service, member)],
+            "containers": [serving_container(spec, model_dir, mounts + engine_mounts, service, member)],
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
         }
-        if volumes:
-            pod_spec["volumes"] = volumes
+        if volumes or engine_volumes:
+            pod_spec["volumes"] = volumes + engine_volumes
         harden_pod_spec(pod_spec)
         return {"metadata": template_meta, "spec": pod_spec}
 

@@ -5,6 +5,7 @@ A runtime (``spec.engine.runtime``) says, from the spec and the few facts the bu
 - ``command``: the serving container's command line (the leader, or a headless member of a multi-host replica);
 - ``env``: the container's environment (the replica key, under the name the engine reads);
 - ``probes``: the startup, liveness and readiness probes of the leader and of a headless member;
+- ``volumes``: volumes the engine needs besides the model's (vLLM: a memory-backed /dev/shm for NCCL);
 - ``metrics``: where the engine serves Prometheus metrics (the router reads its load from there);
 - ``router_backend``: what the router is told the replicas speak (``tokenfleet route --backend-runtime``);
 - ``problems``: the fields of the spec the runtime cannot honour, and ``engine.extraArgs`` that collide with a
@@ -116,9 +117,26 @@ class Runtime(abc.ABC):
     def probes(self, launch: Launch) -> Probes:
         """The probes of the leader (``launch.member`` 0) or of a headless member."""
 
+    def volumes(self, launch: Launch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(pod volumes, container mounts) the engine needs besides the model's; none by default."""
+        return [], []
+
     @abc.abstractmethod
     def problems(self, spec: InferenceServiceSpec) -> list[Problem]:
         """Fields this runtime cannot honour and extraArgs it refuses, first the most useful to fix."""
+
+
+def image_path(image: str) -> list[str]:
+    """The path segments of an image reference, without tag or digest: 'docker.io/vllm/vllm-openai:v1' ->
+    ['docker.io', 'vllm', 'vllm-openai']."""
+    head, _, last = image.split("@", 1)[0].rpartition("/")
+    return [*(head.split("/") if head else []), last.split(":", 1)[0]]
+
+
+def looks_like_vllm(image: str) -> bool:
+    """An image vLLM publishes or one named after it (vllm/vllm-openai, .../vllm-cpu-release-repo, ...)."""
+    path = image_path(image)
+    return "vllm" in path[:-1] or path[-1] == "vllm" or path[-1].startswith("vllm-")
 
 
 def not_supported(runtime: str, field_name: str, message: str) -> Problem:

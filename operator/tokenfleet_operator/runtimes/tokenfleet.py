@@ -9,7 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
-from tokenfleet_operator.runtimes.base import STARTUP_FAILURES, STARTUP_PERIOD_S, Launch, MetricsEndpoint, Probes, Runtime, http_probe
+from tokenfleet_operator.runtimes.base import (
+    STARTUP_FAILURES,
+    STARTUP_PERIOD_S,
+    Launch,
+    MetricsEndpoint,
+    Probes,
+    Runtime,
+    http_probe,
+    looks_like_vllm,
+    not_supported,
+)
 from tokenfleet_operator.validation import Problem
 from tokenfleet_serving.contract.pod_env import PodEnv
 
@@ -94,4 +104,7 @@ class TokenfleetRuntime(Runtime):
 
     def problems(self, spec: InferenceServiceSpec) -> list[Problem]:
         from tokenfleet_operator.validation import bundled_server_problems
+        if looks_like_vllm(spec.image):
+            return [not_supported(self.name, "spec.image", f"runs 'tokenfleet serve', which the vLLM image "
+                                  f"{spec.image} does not have; set spec.engine.runtime to vllm")]
         return bundled_server_problems(spec)

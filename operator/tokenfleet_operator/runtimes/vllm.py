@@ -38,10 +38,20 @@ from tokenfleet_serving.contract.pod_env import PodEnv
 NAME = "vllm"
 API_KEY_ENV = "VLLM_API_KEY"
 REPLICA_KEY_ENV = "TOKENFLEET_API_KEY"
+SHM_VOLUME = "dshm"
 
 # spec.engine.quantization -> vLLM's --quantization. int8 is tokenfleet's weight-only int8 with one scale per
 # output channel, quantized at load: vLLM's online shorthand for the same scheme.
 QUANTIZATIONS = {"fp8": "fp8", "awq": "awq", "gptq": "gptq", "int8": "int8_per_channel_weight_only"}
+
+# Every engine field, by what this runtime does with it: a flag (FLAG_FIELDS) or a refusal (problems). A field
+# added to EngineSpec is neither until it is written here: a unit test holds the two together, so that no field
+# is silently dropped for vLLM.
+FLAG_FIELDS = frozenset({"runtime", "dtype", "max_model_len", "kv_block_size", "max_num_batched_tokens",
+                         "max_num_seqs", "kv_cache_mb", "enable_prefix_caching", "quantization",
+                         "speculative_decoding", "tensor_parallel_size", "pipeline_parallel_size", "tool_call_parser",
+                         "extra_args"})
+REFUSED_FIELDS: frozenset[str] = frozenset()
 
 # Multi-host replicas on vLLM: its multi-node mode (torch.distributed over the Slice's headless Service). Set to
 # False to refuse hostsPerReplica > 1 with a condition, should the vLLM build in use not run it.
@@ -157,7 +167,18 @@ class VllmRuntime(Runtime):
         return args
 
     def env(self, key_ref: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"name": REPLICA_KEY_ENV, "valueFrom": key_ref}, {"name": API_KEY_ENV, "valueFrom": key_ref}]
+        # The pod runs as a non-root uid on a read-only root filesystem: vLLM's caches (~/.cache/vllm, Triton's
+        # ~/.triton) go under the writable /tmp, and it sends no usage statistics from inside a cluster.
+        return [{"name": REPLICA_KEY_ENV, "valueFrom": key_ref}, {"name": API_KEY_ENV, "valueFrom": key_ref},
+                {"name": "HOME", "value": "/tmp"}, {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+
+    def volumes(self, launch: Launch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Ranks on one host talk through shared memory (NCCL, vLLM's shm broadcast), more than a container's
+        64 MiB /dev/shm holds: a memory-backed emptyDir there, counted against the pod's memory."""
+        if launch.sizes.ranks_per_host < 2:
+            return [], []
+        return ([{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}],
+                [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}])
 
     def probes(self, launch: Launch) -> Probes:
         if not launch.leader:

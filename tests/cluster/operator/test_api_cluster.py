@@ -246,3 +246,18 @@ def test_applying_the_manifests_twice_changes_nothing(installed):
     assert all(line.endswith("serverside-applied") for line in out.strip().splitlines()), out
     diff = installed.kubectl("diff", "--server-side", "-k", base, check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def test_an_inference_service_keeps_its_runtime(installed, namespace):
+    # issue 32: one runtime per InferenceService; other engine fields still change as before
+    apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0", engine={"runtime": "vllm"}), namespace)
+    changed = apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0",
+                                    engine={"runtime": "vllm", "maxNumSeqs": 64}), namespace, check=False)
+    assert changed.returncode == 0, changed.stderr
+    out = apply(installed, isvc("engine", engine={"runtime": "tokenfleet"}), namespace, check=False)
+    assert out.returncode != 0
+    assert "spec.engine.runtime" in out.stderr and "cannot change" in out.stderr, out.stderr
+    untouched = isvc("plain")
+    apply(installed, untouched, namespace)
+    untouched["spec"]["engine"] = {"maxNumSeqs": 32}          # runtime defaulted before and after
+    assert apply(installed, untouched, namespace, check=False).returncode == 0

@@ -69,7 +69,7 @@ def source_fields() -> set[str]:
 
 
 def _spec(**overrides: Any) -> dict[str, Any]:
-    return isvc_body(image="vllm/vllm-openai:v0.11.0", **overrides)["spec"]
+    return isvc_body(image="example.com/other-server:1", **overrides)["spec"]
 
 
 def _draft(source: dict[str, Any]) -> dict[str, Any]:

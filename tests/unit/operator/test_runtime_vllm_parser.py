@@ -9,10 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.builders.inference_service import slice_manifest
 from tokenfleet_operator.runtimes.vllm import OWNED_FLAGS, QUANTIZATIONS, extra_args_collision
+from tokenfleet_operator.validation import check_inference_service
 
 from harness.operator_samples import isvc_body
 
@@ -53,7 +55,19 @@ def commands():
         expanded = [a.replace("$(TOKENFLEET_MEMBER_INDEX)", "1").replace("$(TOKENFLEET_LEADER_ADDRESS)", "leader.svc")
                     for a in command[1:]]
         out.append(expanded)
-    return out
+    return out + [sample_command()]
+
+
+SAMPLE = Path(__file__).resolve().parents[3] / "manifests" / "samples" / "inferenceservice-vllm.yaml"
+
+
+def sample_command():
+    """The command line of docs/runtimes.md's worked manifest for vLLM's CUDA image."""
+    body = yaml.safe_load(SAMPLE.read_text())
+    body["metadata"].update(namespace="ns", uid="uid")
+    spec = InferenceServiceSpec.model_validate(body["spec"])
+    assert check_inference_service(spec) == []
+    return slice_manifest(body, spec, 0)["spec"]["template"]["spec"]["containers"][0]["command"][1:]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +82,7 @@ def vllm_reads():
 
 
 def test_vllm_parses_the_command_lines_to_the_specs_values(vllm_reads):
-    leader, worker = vllm_reads["parsed"]
+    leader, worker, _ = vllm_reads["parsed"]
     for parsed in (leader, worker):
         assert parsed["model_tag"] == "/models/llama-8b"
         assert (parsed["host"], parsed["port"]) == ("0.0.0.0", 8000)
@@ -96,3 +110,10 @@ def test_no_other_vllm_flag_is_taken_for_an_owned_one(vllm_reads):
     mistaken = [flag for flag in vllm_reads["options"]
                 if flag not in owned and flag not in ("-h", "--help") and extra_args_collision([flag]) is not None]
     assert mistaken == []
+
+
+def test_the_worked_cuda_manifest_is_a_command_line_vllm_takes(vllm_reads):
+    sample = vllm_reads["parsed"][2]
+    assert sample["model_tag"] == "/models/llama-3.1-8b-instruct"
+    assert sample["served_model_name"] == ["llama-3.1-8b-instruct", "llama31"]
+    assert (sample["tool_call_parser"], sample["gpu_memory_utilization"]) == ("llama3_json", 0.9)

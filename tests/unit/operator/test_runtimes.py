@@ -67,8 +67,9 @@ def test_vllm_serve_is_built_from_every_engine_field():
 def test_vllm_gets_its_key_from_the_secret_and_never_on_its_command_line():
     body, spec = one_host()
     leader, _ = containers(body, spec)
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in leader["env"]}
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") or e["value"] for e in leader["env"]}
     assert env["VLLM_API_KEY"] == {"name": "llama-replica-key", "key": "api-key"}
+    assert env["HOME"] == "/tmp" and {"name": "tmp", "mountPath": "/tmp"} in leader["volumeMounts"]
     assert "--api-key" not in leader["command"]
     assert leader["readinessProbe"]["httpGet"]["path"] == "/health"
     assert leader["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -209,3 +210,34 @@ def test_a_vllm_replica_that_exits_on_its_arguments_fails_its_slice_at_once_with
     assert failed["reason"] == "ConfigurationError"
     assert failed["message"].endswith("vllm: error: unrecognized arguments: --bogus-flag 1; a configuration error, "
                                       "so no restart: the slice stays down until its spec changes")
+
+
+def test_vllm_ranks_sharing_a_host_get_a_memory_backed_dev_shm():
+    body, spec = vllm_spec()                                  # 4 ranks on each of 2 hosts
+    manifest = slice_manifest(body, spec, 0)["spec"]
+    for template in (manifest["leaderTemplate"], manifest["template"]):
+        pod = template["spec"]
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    one_body, one = one_host()
+    assert "dshm" not in json.dumps(slice_manifest(one_body, one, 0))
+    assert "dshm" not in json.dumps(slice_manifest(body, InferenceServiceSpec.model_validate(isvc_body()["spec"]), 0))
+
+
+def test_every_engine_field_is_a_vllm_flag_or_refused_for_vllm():
+    from tokenfleet_operator.api.inference_service import EngineSpec
+    fields = set(EngineSpec.model_fields)
+    assert fields == vllm_runtime.FLAG_FIELDS | vllm_runtime.REFUSED_FIELDS, (
+        "an engine field vLLM neither gets as a flag nor refuses: "
+        f"{sorted(fields - vllm_runtime.FLAG_FIELDS - vllm_runtime.REFUSED_FIELDS)}")
+
+
+@pytest.mark.parametrize("image", ["vllm/vllm-openai:v0.32.0", "docker.io/vllm/vllm-openai@sha256:" + "b" * 64,
+                                   "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"])
+def test_a_vllm_image_left_on_the_default_runtime_is_a_condition_naming_the_image(image):
+    spec = InferenceServiceSpec.model_validate(isvc_body(image=image)["spec"])
+    [problem] = check_inference_service(spec)
+    assert (problem.reason, problem.field) == ("NotSupportedByRuntime", "spec.image")
+    assert "set spec.engine.runtime to vllm" in problem.message
+    for other in ("tokenfleet/serving:0.1.0", "example.com/mine/server:1", "example.com/vllmish:1"):
+        assert check_inference_service(InferenceServiceSpec.model_validate(isvc_body(image=other)["spec"])) == []
