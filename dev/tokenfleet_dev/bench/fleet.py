@@ -696,12 +696,15 @@ def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[
 
 def runtime_row(result: dict[str, Any]) -> dict[str, Any]:
     """One runtime's figures for the side-by-side table: the autoscaled trace's and W4's."""
-    auto = (result.get("autoscale") or {}).get("autoscaled") or {}
+    autoscale = result.get("autoscale") or {}
+    auto = autoscale.get("autoscaled") or {}
+    seconds = sum(p["seconds"] for p in autoscale.get("trace") or [])
     w4 = result.get("w4") or {}
     pa = (w4.get("policies") or {}).get("prefix-aware") or {}
     return {"runtime": result["runtime"],
             "autoscale_ttft_p50_s": auto.get("ttft_p50_s"), "autoscale_ttft_p95_s": auto.get("ttft_p95_s"),
-            "autoscale_output_tokens_per_second": auto.get("output_tokens_per_second"),
+            "autoscale_output_tokens_per_second": auto["output_tokens"] / seconds if auto.get("output_tokens") and seconds
+            else None,
             "autoscale_cost_per_mtok": auto.get("cost_per_mtok_replica_seconds"),
             "autoscale_cost_per_mtok_status": auto.get("cost_per_mtok_status"),
             "requests_lost": result.get("requests_lost"),
