@@ -24,6 +24,7 @@ from .block_pool import adapter_root_hash
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
+from .kv_offload import BlockRecord, KVOffload, KVOffloadConfig, PoolIO, TierCounters
 from .layers.lora import LoRARows
 from .loader import load_config
 from .lora_manager import LoRAConfig, LoRAManager, UnknownAdapter
@@ -101,6 +102,7 @@ class EngineConfig:
     structured_output_cache_size: int = 256     # compiled grammars kept (least recently used dropped)
     lora: LoRAConfig | None = None      # LoRA adapters (lora_manager.py); None: adapters off
     served_model_names: tuple[str, ...] = ()   # names the base model goes by (adapters' base must be one)
+    kv_offload: KVOffloadConfig | None = None   # host-memory and disk tiers of the prefix cache (kv_offload.py)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)   # finish_reason -> count
     spec_decode: SpecDecodeStats | None = None                # None: speculative decoding is off
     lora: LoRAStats | None = None                             # None: LoRA adapters are off
+    kv_offload: dict[str, TierCounters] | None = None         # per tier (accelerator, host, disk); None: no offload
 
 
 @dataclass
@@ -171,6 +174,9 @@ class LLMEngine:
         self.runner, self.model_config, self.tokenizer = loaded.runner, loaded.config, loaded.tokenizer
         self.max_model_len, num_blocks, self.kv_cache_bytes = loaded.max_model_len, loaded.num_blocks, loaded.kv_cache_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.offload: KVOffload | None = None
+        if config.kv_offload is not None and config.kv_offload.enabled:
+            self._attach_offload(config.kv_offload, parallel)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill,
                                                    config.lora.max_loras if config.lora else 0), self.kv)
@@ -194,6 +200,24 @@ class LLMEngine:
         self._grammar_compiler_lock = threading.Lock()
         self.startup_marks["kernels_ready"] = time.monotonic()
 
+    def _attach_offload(self, offload: KVOffloadConfig, parallel: ParallelConfig) -> None:
+        from .prefix_checkpoint import engine_identity
+
+        if parallel.world_size > 1:
+            raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
+                             "implemented yet: each rank would need its own tier of its KV shard")
+        if not self.config.enable_prefix_caching:
+            raise ValueError("KV offload tiers hold prefix-cache blocks: they need prefix caching "
+                             "(drop --no-prefix-caching)")
+        if self.config.lora is not None and offload.disk_path is not None:
+            raise ValueError("--kv-offload-disk-path with --enable-lora is not implemented yet (an unloaded "
+                             "adapter's blocks on disk could not be forgotten)")
+        identity = engine_identity(self, self.config.model_revision)
+        identity["kv_cache_dtype"] = getattr(self.config, "kv_cache_dtype", "auto")
+        identity["tensor_parallel"] = [parallel.node_rank, parallel.world_size]
+        self.offload = KVOffload(offload, PoolIO(self.runner.kv_pool), identity)
+        self.kv.attach_offload(self.offload)
+
     def _join(self, parallel: ParallelConfig, model_config, threads: int) -> None:
         """Start this host's other ranks, form the group as rank 0 and check every rank's checkpoint."""
         why = split_error(model_config, parallel.tensor_parallel_size)
@@ -212,6 +236,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the other ranks and wait for this host's worker processes (tensor parallelism; else a no-op)."""
+        offload = getattr(self, "offload", None)
+        if offload is not None:
+            offload.close()
         group, self.group = self.group, None
         if group is not None:
             runner = getattr(self, "runner", None)
@@ -314,6 +341,13 @@ class LLMEngine:
                 self.lora.acquire(lora)
             self.requests[request_id] = req
             self.scheduler.add(req)
+            if self.offload is not None:         # start reading its disk-tier blocks while it waits
+                req.update_block_hashes(self.kv.block_size)
+                pool, hashes = self.kv.pool, req.block_hashes
+                i = 0
+                while i < len(hashes) and pool.lookup(hashes[i]) is not None:
+                    i += 1
+                self.offload.prefetch(hashes[i:])
 
     def abort_request(self, request_id: str) -> bool:
         with self.lock:
@@ -494,7 +528,7 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
             if req.lora is not None and self.lora is not None and self.lora.release(req.lora, req.num_prompt_tokens):
-                self.kv.pool.forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
+                self._forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
             reason = req.finish_reason or "unknown"
             self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
         return out
@@ -511,7 +545,8 @@ class LLMEngine:
                 num_steps=c.num_steps, prompt_tokens=c.num_prompt_tokens,
                 generation_tokens=self.generation_tokens, finished=dict(self.finished_counts),
                 spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
-                lora=self._lora_stats())
+                lora=self._lora_stats(),
+                kv_offload=self.offload.snapshot() if self.offload is not None else None)
 
     def _lora_stats(self) -> LoRAStats | None:
         if self.lora is None:
@@ -538,7 +573,7 @@ class LLMEngine:
         with self.lock:
             gone = self.lora.unload(name)
             if gone:
-                self.kv.pool.forget_chains(adapter_root_hash(name))
+                self._forget_chains(adapter_root_hash(name))
             return gone
 
     def lora_adapters(self) -> list[str]:
@@ -552,16 +587,59 @@ class LLMEngine:
             waiting = sorted({r.lora for r in self.scheduler.waiting if r.lora})
             return running, waiting
 
+    def _forget_chains(self, root: bytes) -> None:
+        self.kv.pool.forget_chains(root)
+        if self.offload is not None:
+            self.offload.forget(self.offload.chains_from(root))
+
     def cached_block_hashes(self) -> list[str]:
         """Hex sha256 chain hashes of every cached full block (spec in block_pool.py)."""
         with self.lock:
             return self.kv.pool.cached_hashes()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts).
-        Refused, returning False, while requests are unfinished, as their blocks are in use."""
+    def cached_block_hashes_by_tier(self) -> dict[str, list[str]]:
+        """Hex hashes per tier: ``accelerator`` (the pool), ``host`` and ``disk`` (empty without that tier)."""
         with self.lock:
-            return not self.requests and self.kv.pool.reset_cache()
+            acc = self.kv.pool.cached_hashes()
+            host = self.offload.host_hashes() if self.offload is not None else []
+        disk = self.offload.disk_hashes() if self.offload is not None else []
+        return {"accelerator": acc, "host": host, "disk": disk}
+
+    def flush_kv_to_disk(self, max_blocks: int, timeout_s: float = 30.0) -> int:
+        """Write the hottest cached blocks of the accelerator and host tiers (up to ``max_blocks``) to the disk
+        tier, and wait for the writes: the store a replacement replica starts from. Returns the blocks written."""
+        offload = self.offload
+        if offload is None or offload.disk is None or not offload.disk.enabled:
+            return 0
+        with self.lock:
+            pool = self.kv.pool
+            chosen = [b for b in pool.hottest_cached() if pool.block_origin[b] is not None][:max_blocks]
+            chosen = [b for b in chosen if pool.block_hash[b] not in offload.disk]
+            records = []
+            if chosen:
+                data = offload.io.read(chosen)
+                for i, b in enumerate(chosen):
+                    origin = pool.block_origin[b]
+                    assert origin is not None and pool.block_hash[b] is not None
+                    records.append(BlockRecord(pool.block_hash[b], origin[0], origin[1], data[i]))  # type: ignore[arg-type]
+            if offload.host is not None and len(records) < max_blocks:
+                hot = [h for h in reversed(offload.host.entries) if h not in offload.disk][:max_blocks - len(records)]
+                if hot:
+                    recs, data = offload.host.get(hot)
+                    records += [BlockRecord(r.hash, r.parent, r.tokens, data[i]) for i, r in enumerate(recs)]
+            queued = offload.flush_to_disk(records)
+        offload.disk.wait_written(timeout_s)
+        return queued
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts), the
+        host tier's blocks with it and the disk tier's index (its files stay). Refused, returning False, while
+        requests are unfinished, as their blocks are in use."""
+        with self.lock:
+            done = not self.requests and self.kv.pool.reset_cache()
+            if done and self.offload is not None:
+                self.offload.reset()
+            return done
 
     # ---- offline convenience ----------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
