@@ -25,6 +25,7 @@ SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
 PROG = "tokenfleet serve"
 WARM_RESTART = "warm restart (prefix-cache checkpoints; docs/recovery.md)"
 LORA = "LoRA adapters (vLLM's flags; docs/engine.md)"
+KV_OFFLOAD = "KV offload (host-memory and disk tiers of the prefix cache; docs/engine.md)"
 PARALLEL = "parallelism (one replica over several accelerators or hosts; docs/engine.md)"
 
 
@@ -33,6 +34,13 @@ def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -172,6 +180,17 @@ class ServeArgs:
         group=WARM_RESTART,
         help="the model's revision, which a checkpoint must match to be loaded (default: a "
              "fingerprint of the weight files)")
+    kv_offload_host_mb: int = _flag(
+        0, type=non_negative_int, group=KV_OFFLOAD,
+        help="host memory (MiB) that keeps prefix-cache blocks evicted from the accelerator's KV cache, with "
+             "their hashes, so a later hit copies them back instead of recomputing them (pinned on CUDA); 0: off")
+    kv_offload_disk_path: str | None = _flag(
+        group=KV_OFFLOAD,
+        help="directory of a disk tier below the host tier (one checksummed file per block); a replica that "
+             "mounts the directory of the one it replaces starts with the tier filled. Unwritable or full: the "
+             "tier switches itself off and serving goes on")
+    kv_offload_disk_mb: int = _flag(4096, type=positive_int, group=KV_OFFLOAD,
+                                    help="most MiB of block files the disk tier keeps (least recently used go first)")
     enable_lora: bool = _flag(False, action="store_true", group=LORA, help="serve LoRA adapters of this model")
     lora_modules: tuple[tuple[str, str], ...] | None = _flag(
         nargs="+", type=_lora_module, metavar="NAME=PATH", group=LORA,

@@ -215,7 +215,11 @@ class LLMEngine:
         identity = engine_identity(self, self.config.model_revision)
         identity["kv_cache_dtype"] = getattr(self.config, "kv_cache_dtype", "auto")
         identity["tensor_parallel"] = [parallel.node_rank, parallel.world_size]
-        self.offload = KVOffload(offload, PoolIO(self.runner.kv_pool), identity)
+        tensors = [self.runner.kv_pool]
+        scales = getattr(self.runner, "kv_scales", None)         # a quantized KV cache's scales
+        if scales is not None:
+            tensors.append(scales)
+        self.offload = KVOffload(offload, PoolIO(tensors), identity)
         self.kv.attach_offload(self.offload)
 
     def _join(self, parallel: ParallelConfig, model_config, threads: int) -> None:

@@ -25,7 +25,7 @@ What overlaps with compute and what does not:
 Disk block files (``<config hash, 16 hex>-<block hash, 64 hex>.tfkv``), little endian::
 
     b"TFKVBLK1"  config hash [32]  block hash [32]  parent hash [32]  uint32 n  token ids [n x uint32]
-    uint64 kv bytes  KV [layers x 2 x kv_heads x block_size x head_dim, in the pool's dtype]
+    uint64 kv bytes  KV (the block's part of each pool tensor: PoolIO)
     sha256 of everything before it [32]
 
 The config hash is the sha256 of the identity a block's KV depends on (model config, revision, dtype, KV
@@ -113,30 +113,47 @@ class BlockRecord:
     hash: bytes
     parent: bytes
     tokens: tuple[int, ...]
-    data: torch.Tensor | None = None     # [layers, 2, kv_heads, block_size, head_dim] on the host
+    data: torch.Tensor | None = None     # the block's bytes (PoolIO) on the host
 
 
 class PoolIO:
-    """Moves whole blocks in and out of a pool tensor ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``."""
+    """Moves whole blocks in and out of the pool's tensors, each with the block index as dimension 3 (the KV
+    values ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``, and the scales of a quantized KV cache
+    where there are some). A block leaves the pool as one row of bytes: every tensor's part of it, in order."""
 
     BLOCK_DIM = 3
 
-    def __init__(self, pool: torch.Tensor):
-        self.pool = pool
-        self.block_shape = (*pool.shape[:3], *pool.shape[4:])
-        self.block_bytes = pool[:, :, :, 0].numel() * pool.element_size()
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.pool = self.tensors[0]
+        self.parts = [t[:, :, :, 0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.parts)
+        self.block_shape = (self.block_bytes,)
+
+    @staticmethod
+    def _order(t: torch.Tensor) -> tuple[int, ...]:
+        return (3, 0, 1, 2, *range(4, t.dim()))
 
     def read(self, blocks: Sequence[int]) -> torch.Tensor:
-        """[n, *block_shape] on the host."""
+        """[n, block_bytes] uint8 on the host."""
+        n = len(blocks)
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
-        data = self.pool.index_select(self.BLOCK_DIM, index).permute(3, 0, 1, 2, 4, 5)
-        return data.contiguous().cpu()
+        rows = [t.index_select(self.BLOCK_DIM, index).permute(self._order(t)).contiguous().view(n, -1)
+                .view(torch.uint8) for t in self.tensors]
+        data = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        return data.cpu()
 
     def write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
         if data.device != self.pool.device:
             data = data.to(self.pool.device, non_blocking=data.is_pinned())
-        self.pool.index_copy_(self.BLOCK_DIM, index, data.permute(1, 2, 3, 0, 4, 5))
+        n, offset = len(blocks), 0
+        for t, width in zip(self.tensors, self.parts):
+            part = data[:, offset:offset + width].contiguous().view(t.dtype)
+            shape = (n, *t.shape[:3], *t.shape[4:])
+            inverse = (1, 2, 3, 0, *range(4, t.dim()))
+            t.index_copy_(self.BLOCK_DIM, index, part.view(shape).permute(inverse))
+            offset += width
 
 
 class HostTier:
@@ -232,7 +249,7 @@ def decode_block(raw: bytes, config_hash: bytes, expected_hash: bytes, block_sha
     expected = elem
     for d in block_shape:
         expected *= d
-    if kv_len != expected or o + kv_len + 32 != len(raw) or n != block_shape[-2]:
+    if kv_len != expected or o + kv_len + 32 != len(raw):
         raise BlockFileError("corrupt", f"holds {kv_len} KV bytes for {n} tokens, expected {expected}")
     if h != expected_hash or hash_block(parent, tokens) != h:
         raise BlockFileError("forged", "its hash does not match its parent and tokens")
@@ -481,7 +498,7 @@ class KVOffload:
             capacity = config.host_bytes // io.block_bytes
             if capacity < 1:
                 raise ValueError(f"--kv-offload-host-mb holds no KV block ({io.block_bytes} bytes each)")
-            self.host = HostTier(capacity, io.block_shape, io.pool.dtype, pin)
+            self.host = HostTier(capacity, io.block_shape, torch.uint8, pin)
             self.stats["host"].capacity_blocks = capacity
         else:
             self.stats["host"].enabled = False
@@ -490,7 +507,7 @@ class KVOffload:
         if config.disk_path is not None:
             self.stats["disk"].capacity_blocks = config.disk_bytes // (io.block_bytes + 256)
             self.disk = DiskTier(config.disk_path, config.disk_bytes, self.config_hash, io.block_shape,
-                                 io.pool.dtype, self.stats["disk"])
+                                 torch.uint8, self.stats["disk"])
         else:
             self.stats["disk"].enabled = False
 

@@ -311,11 +311,13 @@ class Server:
                                   "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
             raise ApiError(503, "model is loading")
-        hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
+        tiers = await asyncio.to_thread(self.engine.cached_block_hashes_by_tier)
+        hashes = tiers["accelerator"]
         return web.json_response({"model": self.config.served_model_names[0],
                                   "block_size": self.engine_loop.snapshot.stats.block_size,
                                   "hash": "sha256-chain-uint32le", "num_blocks": len(hashes),
-                                  "block_hashes": hashes})
+                                  "block_hashes": hashes, "host_block_hashes": tiers["host"],
+                                  "disk_block_hashes": tiers["disk"]})
 
     # ---- generation ------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -90,6 +90,13 @@ def config_from_args(args: ServeArgs):
     if parallel.world_size > 1 and (args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR")):
         raise ValueError("--prefix-checkpoint-dir (warm restart) is not implemented with --tensor-parallel-size > 1 "
                          "yet: each rank holds part of every KV block")
+    from tokenfleet_serving.engine.kv_offload import KVOffloadConfig
+
+    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, args.kv_offload_disk_path,
+                              args.kv_offload_disk_mb * 2**20)
+    if offload.enabled and parallel.world_size > 1:
+        raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
+                         "implemented yet: each rank would need its own tier of its KV shard")
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -99,7 +106,8 @@ def config_from_args(args: ServeArgs):
                           model_revision=args.model_revision, lora=lora_config(args),
                           served_model_names=args.served_model_name or (),
                           structured_output_timeout_s=args.structured_output_timeout,
-                          structured_output_cache_size=args.structured_output_cache_size)
+                          structured_output_cache_size=args.structured_output_cache_size,
+                          kv_offload=offload if offload.enabled else None)
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,

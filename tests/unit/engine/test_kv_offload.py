@@ -17,14 +17,7 @@ import torch
 
 from tokenfleet_serving.engine import LLMEngine, SamplingParams
 from tokenfleet_serving.engine.block_pool import ROOT_HASH, hash_block
-from tokenfleet_serving.engine.kv_offload import (
-    BlockFileError,
-    BlockRecord,
-    HostTier,
-    KVOffloadConfig,
-    decode_block,
-    encode_block,
-)
+from tokenfleet_serving.engine.kv_offload import BlockFileError, BlockRecord, HostTier, KVOffloadConfig, decode_block, encode_block
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BS = 4
@@ -159,20 +152,20 @@ def test_corrupt_foreign_and_forged_disk_blocks_are_never_loaded(llama_dir, base
     eng.close()
     # a block of another model (another config hash), even under this model's file name, is refused
     raw = encode_block(b"\x01" * 32, BlockRecord(hash_block(ROOT_HASH, [1, 2, 3, 4]), ROOT_HASH, (1, 2, 3, 4)),
-                       torch.zeros(2, 2, 2, 4, 8))
+                       torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
     with pytest.raises(BlockFileError) as err:
-        decode_block(raw, b"\x02" * 32, hash_block(ROOT_HASH, [1, 2, 3, 4]), (2, 2, 2, 4, 8), torch.float32)
+        decode_block(raw, b"\x02" * 32, hash_block(ROOT_HASH, [1, 2, 3, 4]), (256,), torch.uint8)
     assert err.value.reason == "foreign"
     # a block whose hash is not its tokens' (forged), and one filed under another name
     h = hash_block(ROOT_HASH, [1, 2, 3, 4])
-    forged = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 5)), torch.zeros(2, 2, 2, 4, 8))
+    forged = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 5)), torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
     with pytest.raises(BlockFileError) as err:
-        decode_block(forged, b"\x02" * 32, h, (2, 2, 2, 4, 8), torch.float32)
+        decode_block(forged, b"\x02" * 32, h, (256,), torch.uint8)
     assert err.value.reason == "forged"
-    good = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 4)), torch.ones(2, 2, 2, 4, 8))
-    assert decode_block(good, b"\x02" * 32, h, (2, 2, 2, 4, 8), torch.float32).tokens == (1, 2, 3, 4)
+    good = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 4)), torch.ones(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
+    assert decode_block(good, b"\x02" * 32, h, (256,), torch.uint8).tokens == (1, 2, 3, 4)
     with pytest.raises(BlockFileError):
-        decode_block(good, b"\x02" * 32, hash_block(ROOT_HASH, [9, 9, 9, 9]), (2, 2, 2, 4, 8), torch.float32)
+        decode_block(good, b"\x02" * 32, hash_block(ROOT_HASH, [9, 9, 9, 9]), (256,), torch.uint8)
 
 
 def test_another_dtype_or_model_never_sees_the_blocks(llama_dir, checkpoints, tmp_path):
