@@ -236,16 +236,17 @@ class Bench:
         return out
 
 
-def kv_quality() -> dict[str, Any] | None:
-    """The int8 KV quality figures of ``bench/kv_quality.py``, where this build has it."""
+def kv_quality(work: Path) -> dict[str, Any] | None:
+    """The int8 KV measurements of ``bench/kv_quality.py`` (``measure_int8_kv``: quality on the reference model
+    and W5's copying model, capacity at a fixed budget), where this build has that module."""
     try:
         module = importlib.import_module("tokenfleet_serving.bench.kv_quality")
     except ModuleNotFoundError:
         return None
-    fn = getattr(module, "measure", None)
+    fn = getattr(module, "measure_int8_kv", None)
     if fn is None:
         return None
-    return fn()
+    return fn(work=work / "kv-quality")
 
 
 def measure(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
@@ -261,7 +262,7 @@ def measure(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         configs[name] = bench.run_config(name, work, args.price_per_hour)
     restart = bench.warm_restart(work)
     seqs = bench.concurrent_seqs()
-    quality = kv_quality()
+    quality = kv_quality(work_dir) if not args.skip_quality else None
     ran = {k: v for k, v in configs.items() if isinstance(v, dict)}
     hw["loadavg_1m_end"] = os.getloadavg()[0]
     hbm, host = ran["hbm_only"]["ttft_p95_seconds"], ran["host_tier"]["ttft_p95_seconds"]
@@ -274,7 +275,9 @@ def measure(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         "price_per_hour": args.price_per_hour,
         "ttft_p95_ratio_hbm_only_over_host_tier": round(hbm / host, 3),
         "concurrent_seqs": seqs,
-        "concurrent_seqs_ratio_int8": (round(seqs["int8"] / seqs["auto"], 3) if seqs.get("int8") else None),
+        "concurrent_seqs_ratio_int8": (quality.get("concurrent_seqs_ratio_int8") if quality
+                                       and quality.get("concurrent_seqs_ratio_int8") is not None
+                                       else round(seqs["int8"] / seqs["auto"], 3) if seqs.get("int8") else None),
         "int8_kv_greedy_agreement_w5": quality.get("int8_kv_greedy_agreement_w5") if quality else None,
         "int8_kv_mean_kl": quality.get("int8_kv_mean_kl") if quality else None,
         "kv_quality": quality if quality else NOT_AVAILABLE,
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-dir", help="where the disk tiers go (default: a temporary directory)")
     p.add_argument("--budget-mb", type=int, default=64, help="the fixed budget of the concurrency count")
     p.add_argument("--price-per-hour", type=float, default=1.0, help="$ per replica-hour, for $/Mtok")
+    p.add_argument("--skip-quality", action="store_true", help="leave out the int8 KV quality measurements")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .block_pool import hash_block
@@ -137,6 +138,12 @@ class PoolIO:
     def read(self, blocks: Sequence[int]) -> torch.Tensor:
         """[n, block_bytes] uint8 on the host."""
         n = len(blocks)
+        if self.pool.device.type == "cpu":      # numpy: one thread, where torch's parallel copies of a few
+            rows_np = []                        # blocks cost more in thread wake-ups than in bytes
+            for t in self.tensors:
+                a = np.take(_np(t), list(blocks), axis=self.BLOCK_DIM)
+                rows_np.append(np.ascontiguousarray(np.moveaxis(a, self.BLOCK_DIM, 0)).reshape(n, -1).view(np.uint8))
+            return torch.from_numpy(rows_np[0] if len(rows_np) == 1 else np.concatenate(rows_np, axis=1))
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
         rows = [t.index_select(self.BLOCK_DIM, index).permute(self._order(t)).contiguous().view(n, -1)
                 .view(torch.uint8) for t in self.tensors]
@@ -144,6 +151,15 @@ class PoolIO:
         return data.cpu()
 
     def write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
+        if self.pool.device.type == "cpu":
+            raw, offset = data.numpy(), 0
+            for t, width in zip(self.tensors, self.parts):
+                a = _np(t)
+                part = np.ascontiguousarray(raw[:, offset:offset + width]).view(a.dtype)
+                part = part.reshape(len(blocks), *a.shape[:3], *a.shape[4:])
+                a[:, :, :, list(blocks)] = np.moveaxis(part, 0, self.BLOCK_DIM)
+                offset += width
+            return
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
         if data.device != self.pool.device:
             data = data.to(self.pool.device, non_blocking=data.is_pinned())
@@ -156,12 +172,18 @@ class PoolIO:
             offset += width
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16, which numpy lacks, as int16: only bytes are moved)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 class HostTier:
     """Block slots in one host buffer, an LRU of hashes over them."""
 
     def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
         self.capacity = capacity_blocks
         self.buf = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self._buf = _np(self.buf)
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.entries: OrderedDict[bytes, tuple[int, bytes, tuple[int, ...]]] = OrderedDict()  # hash -> slot, origin
 
@@ -178,16 +200,17 @@ class HostTier:
         """Keep ``records`` (their KV is ``data[i]``); returns the blocks pushed out for room, oldest first,
         each with a copy of its KV."""
         out: list[BlockRecord] = []
+        src = _np(data)
         for i, r in enumerate(records):
             if r.hash in self.entries:
                 self.entries.move_to_end(r.hash)
                 continue
             if not self.free_slots:
                 old, (slot, parent, tokens) = self.entries.popitem(last=False)
-                out.append(BlockRecord(old, parent, tokens, self.buf[slot].clone()))
+                out.append(BlockRecord(old, parent, tokens, torch.from_numpy(self._buf[slot].copy())))
                 self.free_slots.append(slot)
             slot = self.free_slots.pop()
-            self.buf[slot].copy_(data[i])
+            self._buf[slot] = src[i]
             self.entries[r.hash] = (slot, r.parent, r.tokens)
         return out
 
@@ -199,7 +222,7 @@ class HostTier:
             self.entries.move_to_end(h)
             slots.append(slot)
             records.append(BlockRecord(h, parent, tokens))
-        return records, self.buf.index_select(0, torch.tensor(slots, dtype=torch.long))
+        return records, torch.from_numpy(self._buf[slots])
 
     def drop(self, hashes: Sequence[bytes]) -> None:
         for h in hashes:
@@ -601,12 +624,13 @@ class KVOffload:
             if record is None or record.data is None:
                 break
             records.append(BlockRecord(record.hash, record.parent, record.tokens))
-            parts.append(record.data.unsqueeze(0))
+            parts.append(record.data.view(1, -1))
             tiers.append("disk")
             i += 1
         if not records:
             return [], None, []
-        return records, torch.cat(parts) if len(parts) > 1 else parts[0], tiers
+        data = torch.from_numpy(np.concatenate([p.numpy() for p in parts])) if len(parts) > 1 else parts[0]
+        return records, data, tiers
 
     def note_copied_in(self, tiers: Sequence[str], seconds: float) -> None:
         """Count a copy back into the accelerator: bytes per source tier, time shared by block count."""
