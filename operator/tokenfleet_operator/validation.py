@@ -204,6 +204,12 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
             f"the bundled serving image {spec.image} does not implement warm restart for a replica split over "
             f"{sizes.world} ranks yet (each rank holds part of every KV block); disable warmRestart, or run one "
             "accelerator per replica")]
+    if sizes.world > 1 and spec.engine.kv_offload is not None and runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.engine.kvOffload",
+            f"the bundled serving image {spec.image} does not implement KV offload tiers for a replica split over "
+            f"{sizes.world} ranks yet (each rank would need its own tier of its KV shard); remove engine.kvOffload, "
+            "or run one accelerator per replica")]
     if sizes.pipeline > 1 and runs_bundled_server(spec.image) and not PIPELINE_PARALLEL_IN_SERVING_IMAGE:
         return [Problem(
             "NotInServingImage", "spec.engine.pipelineParallelSize",

@@ -18,6 +18,7 @@ from tokenfleet_operator.api.common import (
     Conditions,
     CrdInfo,
     PrinterColumn,
+    Quantity,
     Resource,
     ResourceRequirements,
     rule,
@@ -98,6 +99,27 @@ class SpeculativeDecoding(ApiModel):
     )
 
 
+class KVOffloadSpec(ApiModel):
+    """Host-memory and disk tiers under the accelerator's prefix cache (tokenfleet serve --kv-offload-*): blocks the
+    accelerator's KV cache evicts keep their hashes and KV in host memory, then on disk, each tier a least-recently-
+    used cache of its own; a prompt whose prefix is found there gets it copied back instead of recomputed, and the
+    router prefers an accelerator hit, then a host hit, then a miss. Not with tensor parallelism above 1 yet."""
+
+    host_memory: Quantity | None = Field(
+        default=None, description="Host memory for the host tier, per replica (--kv-offload-host-mb, whole MiB); "
+        "it comes on top of the container's other memory, so raise its memory limit by as much. Unset or 0: none.")
+    disk_path: str | None = Field(
+        default=None, description="Directory of the disk tier in the serving container (--kv-offload-disk-path): a "
+        "volume the pod template mounts there. One checksummed file per block, tied to the model, revision, dtype, "
+        "KV dtype and block size; a corrupt or foreign block is never loaded, and an unwritable or full directory "
+        "switches the tier off (tokenfleet:kv_offload_tier_enabled 0) while the replica keeps serving. Unset with "
+        "warmRestart enabled: the tier lives in slicePolicy.checkpoint.store, one directory per replica, and is "
+        "the warm-restart store.", max_length=1024, pattern=r"^/[^\s$]*$")
+    disk_size: Quantity | None = Field(
+        default=None, description="Most bytes of block files the disk tier keeps (--kv-offload-disk-mb, whole MiB; "
+        "least recently used go first). Unset: 4Gi.")
+
+
 class EngineSpec(ApiModel):
     """Settings of the continuously batched engine."""
 
@@ -131,6 +153,9 @@ class EngineSpec(ApiModel):
         "server's default (512).", ge=1, le=16777216,
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+    kv_offload: KVOffloadSpec | None = Field(
+        default=None, description="Host-memory and disk tiers of the prefix cache; unset: the accelerator's KV "
+        "cache alone (with warmRestart, a disk tier in the checkpoint store).")
     quantization: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
         default="none",
         description="Weight quantization. int8: weight-only, one scale per output channel, quantized at load from the "
@@ -433,6 +458,17 @@ class InferenceServiceSpec(ApiModel):
             "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
             "warmRestart restores the prefix cache: engine.enablePrefixCaching must be true",
             field_path=".engine.enablePrefixCaching",
+        ),
+        rule(
+            "!has(self.engine.kvOffload) || self.engine.enablePrefixCaching",
+            "engine.kvOffload keeps prefix-cache blocks: engine.enablePrefixCaching must be true",
+            field_path=".engine.kvOffload",
+        ),
+        rule(
+            "!has(self.engine.kvOffload) || !has(self.engine.kvOffload.diskSize) || "
+            "has(self.engine.kvOffload.diskPath) || self.warmRestart.enabled",
+            "engine.kvOffload.diskSize sizes a disk tier: set diskPath, or enable warmRestart (its store holds the tier)",
+            field_path=".engine.kvOffload.diskSize",
         ),
     )
 

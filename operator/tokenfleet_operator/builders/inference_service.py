@@ -22,6 +22,7 @@ from typing import Any
 
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
+from tokenfleet_operator.api.common import quantity_value
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.api.model_source import ModelSource
 from tokenfleet_operator.builders.auth import (
@@ -184,12 +185,38 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> 
     if per_replica > 0:
         args += ["--price-per-hour", f"{per_replica:g}"]
     args += warm_restart_args(spec)
+    args += kv_offload_args(spec)
     args += parallel_args(replica_sizes(spec), member)
     args += list(eng.extra_args or [])
     return args
 
 
 PREFIX_CHECKPOINT_SUBDIR = "prefix-cache"
+KV_TIER_SUBDIR = "kv-tier"
+
+
+def _mebibytes(quantity: int | str) -> int:
+    value = quantity_value(quantity) or 0
+    return max(1, int(value // 2**20)) if value > 0 else 0
+
+
+def kv_offload_args(spec: InferenceServiceSpec) -> list[str]:
+    """The server's KV offload flags (engine.kvOffload). With warmRestart and no diskPath, the disk tier lives in
+    the checkpoint store, one directory per replica member, so a replacement starts with its predecessor's tier
+    (the same names as the prefix checkpoints; the kubelet expands the $(VAR) references)."""
+    offload = spec.engine.kv_offload
+    args: list[str] = []
+    if offload is not None and offload.host_memory is not None and _mebibytes(offload.host_memory):
+        args += ["--kv-offload-host-mb", str(_mebibytes(offload.host_memory))]
+    path = offload.disk_path if offload is not None else None
+    if path is None and spec.warm_restart.enabled and spec.slice_policy.checkpoint is not None:
+        path = (f"$({PodEnv.CHECKPOINT_DIR.value})/{KV_TIER_SUBDIR}/"
+                f"$({PodEnv.SLICE.value})-$({PodEnv.MEMBER_INDEX.value})")
+    if path is not None:
+        args += ["--kv-offload-disk-path", path]
+        if offload is not None and offload.disk_size is not None:
+            args += ["--kv-offload-disk-mb", str(max(1, _mebibytes(offload.disk_size)))]
+    return args
 
 
 def warm_restart_args(spec: InferenceServiceSpec) -> list[str]:
