@@ -165,20 +165,22 @@ class ServeArgs:
              "their own); read: each tensor is read into memory first (the former way)")
     prefix_checkpoint_dir: str | None = _flag(
         group=WARM_RESTART,
-        help="directory to save the hottest prefix-cache blocks to (periodically and on drain) and "
-             "load them from at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
+        help="warm-restart store: the KV disk tier lives in DIR/NAME (unless --kv-offload-disk-path names "
+             "it); the hottest prefix-cache blocks are written there periodically and on drain, and loaded "
+             "from it at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
     prefix_checkpoint_name: str | None = _flag(
         group=WARM_RESTART,
-        help="this replica's file name in that directory (default: the host name); a replacement "
+        help="this replica's directory in that store (default: the host name); a replacement "
              "given the same name starts from its predecessor's blocks")
     prefix_checkpoint_interval: float = _flag(
         60.0, type=_positive_float, group=WARM_RESTART,
-        help="seconds between saves (a save is skipped when the hottest blocks did not change)")
+        help="seconds between saves (a save writes only the hottest blocks the store lacks)")
     prefix_checkpoint_max_mb: int = _flag(256, type=positive_int, group=WARM_RESTART,
-                                          help="most megabytes of KV blocks a checkpoint holds, hottest first")
+                                          help="most megabytes of KV blocks a save writes, and a start loads into "
+                                               "the accelerator tier (the disk tier itself: --kv-offload-disk-mb)")
     model_revision: str | None = _flag(
         group=WARM_RESTART,
-        help="the model's revision, which a checkpoint must match to be loaded (default: a "
+        help="the model's revision, which a stored KV block must match to be loaded (default: a "
              "fingerprint of the weight files)")
     kv_offload_host_mb: int = _flag(
         0, type=non_negative_int, group=KV_OFFLOAD,

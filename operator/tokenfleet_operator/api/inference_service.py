@@ -112,9 +112,9 @@ class KVOffloadSpec(ApiModel):
         default=None, description="Directory of the disk tier in the serving container (--kv-offload-disk-path): a "
         "volume the pod template mounts there. One checksummed file per block, tied to the model, revision, dtype, "
         "KV dtype and block size; a corrupt or foreign block is never loaded, and an unwritable or full directory "
-        "switches the tier off (tokenfleet:kv_offload_tier_enabled 0) while the replica keeps serving. Unset with "
-        "warmRestart enabled: the tier lives in slicePolicy.checkpoint.store, one directory per replica, and is "
-        "the warm-restart store.", max_length=1024, pattern=r"^/[^\s$]*$")
+        "switches the tier off (tokenfleet:kv_offload_tier_enabled 0) while the replica keeps serving. With "
+        "warmRestart enabled and no diskPath, the tier lives in slicePolicy.checkpoint.store, one directory per "
+        "replica member, and is the warm-restart store.", max_length=1024, pattern=r"^/[^\s$]*$")
     disk_size: Quantity | None = Field(
         default=None, description="Most bytes of block files the disk tier keeps (--kv-offload-disk-mb, whole MiB; "
         "least recently used go first). Unset: 4Gi.")

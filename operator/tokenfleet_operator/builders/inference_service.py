@@ -192,30 +192,24 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> 
 
 
 PREFIX_CHECKPOINT_SUBDIR = "prefix-cache"
-KV_TIER_SUBDIR = "kv-tier"
-
-
 def _mebibytes(quantity: int | str) -> int:
     value = quantity_value(quantity) or 0
     return max(1, int(value // 2**20)) if value > 0 else 0
 
 
 def kv_offload_args(spec: InferenceServiceSpec) -> list[str]:
-    """The server's KV offload flags (engine.kvOffload). With warmRestart and no diskPath, the disk tier lives in
-    the checkpoint store, one directory per replica member, so a replacement starts with its predecessor's tier
-    (the same names as the prefix checkpoints; the kubelet expands the $(VAR) references)."""
+    """The server's KV offload flags (engine.kvOffload). With warmRestart and no diskPath the server keeps its disk
+    tier in the checkpoint store (``--prefix-checkpoint-dir``/its name), which diskSize then bounds."""
     offload = spec.engine.kv_offload
+    if offload is None:
+        return []
     args: list[str] = []
-    if offload is not None and offload.host_memory is not None and _mebibytes(offload.host_memory):
+    if offload.host_memory is not None and _mebibytes(offload.host_memory):
         args += ["--kv-offload-host-mb", str(_mebibytes(offload.host_memory))]
-    path = offload.disk_path if offload is not None else None
-    if path is None and spec.warm_restart.enabled and spec.slice_policy.checkpoint is not None:
-        path = (f"$({PodEnv.CHECKPOINT_DIR.value})/{KV_TIER_SUBDIR}/"
-                f"$({PodEnv.SLICE.value})-$({PodEnv.MEMBER_INDEX.value})")
-    if path is not None:
-        args += ["--kv-offload-disk-path", path]
-        if offload is not None and offload.disk_size is not None:
-            args += ["--kv-offload-disk-mb", str(max(1, _mebibytes(offload.disk_size)))]
+    if offload.disk_path is not None:
+        args += ["--kv-offload-disk-path", offload.disk_path]
+    if offload.disk_size is not None:
+        args += ["--kv-offload-disk-mb", str(max(1, _mebibytes(offload.disk_size)))]
     return args
 
 

@@ -635,6 +635,59 @@ class LLMEngine:
         offload.disk.wait_written(timeout_s)
         return queued
 
+    def load_from_disk_tier(self, max_blocks: int) -> int:
+        """Copy the disk tier's most recently written blocks (up to ``max_blocks``, and as many as the pool has free)
+        into the accelerator tier as free cached blocks, each after its parent: a replica that starts on its
+        predecessor's disk tier hits at accelerator speed from its first request (warm restart). Blocks whose
+        chain does not reach the root through loaded or cached blocks are left on disk. Refused (ValueError)
+        while requests run; returns the blocks loaded."""
+        from .block_pool import ROOT_HASH
+
+        offload = self.offload
+        if offload is None or offload.disk is None or not offload.disk.enabled:
+            return 0
+        with self.lock:
+            if self.requests:
+                raise ValueError("the disk tier is loaded into the accelerator only while the engine is idle")
+            pool = self.kv.pool
+            limit = min(max_blocks, pool.num_free)
+            candidates = list(reversed(offload.disk.hashes()))[:max(limit, 0)]
+            records = {}
+            for h in candidates:
+                r = offload.disk.load(h)
+                if r is not None and r.data is not None:
+                    records[h] = r
+            order: list[BlockRecord] = []
+            placed: set[bytes] = set()
+            for h in candidates:                 # each block after its parents, which must reach the root
+                chain: list[BlockRecord] = []
+                cur, reaches = h, False
+                while len(chain) <= len(records):
+                    if cur in placed or cur in pool.cached:
+                        reaches = True
+                        break
+                    r = records.get(cur)
+                    if r is None:
+                        break
+                    chain.append(r)
+                    if r.parent == ROOT_HASH:
+                        reaches = True
+                        break
+                    cur = r.parent
+                if reaches:
+                    for r in reversed(chain):
+                        placed.add(r.hash)
+                        order.append(r)
+            order = order[:limit]
+            if not order:
+                return 0
+            blocks = pool.allocate(len(order))
+            offload.io.write(blocks, torch.stack([r.data for r in order]))  # type: ignore[misc]
+            for b, r in zip(blocks, order):
+                pool.cache(b, r.hash, (r.parent, r.tokens))
+            pool.release(blocks)
+            return len(order)
+
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts), the
         host tier's blocks with it and the disk tier's index (its files stay). Refused, returning False, while

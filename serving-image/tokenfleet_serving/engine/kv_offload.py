@@ -349,6 +349,12 @@ class DiskTier:
         if found:
             log.info("KV offload: disk tier %s holds %d blocks of this model (%.1f MB)", self.path,
                      len(self.index), self.total_bytes / 2**20)
+        foreign = sum(1 for p in self.path.glob(f"*{SUFFIX}") if not p.name.startswith(self.prefix + "-"))
+        if foreign:
+            with self.lock:
+                self.c.errors["foreign"] = self.c.errors.get("foreign", 0) + foreign
+            log.warning("KV offload: %d blocks in %s are of another model, revision, dtype, KV dtype or block size: "
+                        "ignored", foreign, self.path)
 
     def _enforce_capacity_locked(self) -> None:
         while self.total_bytes > self.capacity_bytes and self.index:

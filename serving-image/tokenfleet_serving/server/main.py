@@ -92,8 +92,12 @@ def config_from_args(args: ServeArgs):
                          "yet: each rank holds part of every KV block")
     from tokenfleet_serving.engine.kv_offload import KVOffloadConfig
 
-    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, args.kv_offload_disk_path,
-                              args.kv_offload_disk_mb * 2**20)
+    directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
+    warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
+                             args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
+                             args.model_revision) if directory else None
+    disk_path = args.kv_offload_disk_path or (warm.store if warm is not None else None)   # warm restart's store
+    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, disk_path, args.kv_offload_disk_mb * 2**20)
     if offload.enabled and parallel.world_size > 1:
         raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
                          "implemented yet: each rank would need its own tier of its KV shard")
@@ -108,10 +112,6 @@ def config_from_args(args: ServeArgs):
                           structured_output_timeout_s=args.structured_output_timeout,
                           structured_output_cache_size=args.structured_output_cache_size,
                           kv_offload=offload if offload.enabled else None)
-    directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
-    warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
-                             args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
-                             args.model_revision) if directory else None
     return ServerConfig(engine=engine, served_model_names=args.served_model_names,
                         api_key=args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,

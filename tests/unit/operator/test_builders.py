@@ -319,19 +319,15 @@ def test_kv_offload_reaches_the_server_as_its_flags_and_warm_restart_puts_the_di
     assert argument_error(argv[2:]) is None
     args = build_parser().parse_args(argv[2:])
     assert (args.kv_offload_host_mb, args.kv_offload_disk_path, args.kv_offload_disk_mb) == (8192, "/var/cache/kv", 20480)
-    # no kvOffload: no tier; warm restart without a diskPath: the disk tier lives in the store, one per member
+    # no kvOffload: no tier; warm restart without a diskPath: the server's store is its disk tier (sized here)
     body, spec = build()
     assert not any(a.startswith("--kv-offload") for a in engine_args(spec, "/models"))
     body, spec = build(warmRestart={"enabled": True}, slicePolicy={"checkpoint": {"store": "pvc://cache/llama"}},
-                       engine={"kvOffload": {"hostMemory": 500_000_000}})
-    slice_ = slice_manifest(body, spec, 1)
-    slice_["metadata"]["uid"] = "uid-slice"
-    pod = member_pod(slice_, SliceSpec.model_validate(slice_["spec"]), 0, attempt=0, revision="r")
-    main = pod["spec"]["containers"][0]
-    env = {e["name"]: e.get("value") for e in main["env"]}
-    args = build_parser().parse_args([expand(a, env) for a in main["command"]][2:])
-    assert args.kv_offload_disk_path == f"{env['TOKENFLEET_CHECKPOINT_DIR']}/kv-tier/llama-1-0"
-    assert args.kv_offload_host_mb == 476                       # 500 MB in whole MiB
+                       engine={"kvOffload": {"hostMemory": 500_000_000, "diskSize": "2Gi"}})
+    args = build_parser().parse_args([expand(a, {"TOKENFLEET_CHECKPOINT_DIR": "/c", "TOKENFLEET_SLICE": "s",
+                                                 "TOKENFLEET_MEMBER_INDEX": "0"}) for a in engine_args(spec, "/m")][2:])
+    assert args.kv_offload_disk_path is None and args.prefix_checkpoint_dir == "/c/prefix-cache"
+    assert (args.kv_offload_host_mb, args.kv_offload_disk_mb) == (476, 2048)     # 500 MB in whole MiB
 
 
 def test_kv_offload_is_refused_with_a_condition_for_a_replica_over_several_ranks():
