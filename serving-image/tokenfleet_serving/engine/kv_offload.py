@@ -155,9 +155,9 @@ class PoolIO:
             raw, offset = data.numpy(), 0
             for t, width in zip(self.tensors, self.parts):
                 a = _np(t)
-                part = np.ascontiguousarray(raw[:, offset:offset + width]).view(a.dtype)
-                part = part.reshape(len(blocks), *a.shape[:3], *a.shape[4:])
-                a[:, :, :, list(blocks)] = np.moveaxis(part, 0, self.BLOCK_DIM)
+                rows = np.ascontiguousarray(raw[:, offset:offset + width]).view(a.dtype)
+                a[:, :, :, list(blocks)] = np.moveaxis(rows.reshape(len(blocks), *a.shape[:3], *a.shape[4:]), 0,
+                                                       self.BLOCK_DIM)
                 offset += width
             return
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
