@@ -9,7 +9,10 @@ workload:
 * + int8 weights, on WS;
 * + speculative decoding (prompt lookup), on W5 at batch 1, 4 and 16: extractive requests whose answers copy
   spans of their prompt, served by a Llama of the reference model's size whose first two layers copy by
-  construction (``copy_task.py``), int8 weights computed in fp32 (``W5_DTYPE``).
+  construction (``copy_task.py``), int8 weights computed in fp32 (``W5_DTYPE``);
+* + a host-memory tier under the prefix cache, and + int8 KV (where this build has ``--kv-cache-dtype``), on
+  ``bench kvcache``'s workload (WT: 16 shared 1,024-token prefixes, the accelerator tier holds 3), each
+  against the accelerator tier alone.
 
 Workloads (seeded): WM, 48 requests of 32-256 prompt and 16-192 output tokens, at most 16 at once; WS,
 32 requests of the shared prefix + 32 tokens, 32 output tokens; W5, documents of 96-160 tokens whose answers
@@ -325,6 +328,36 @@ def decode_speed(engines: dict[str, LLMEngine], vocab: int, batch: int, rounds: 
     return best
 
 
+def kv_tier_rows(price: float, work: Path, scale: Scale, log) -> list[dict]:
+    """The KV cache's tiers on WT (``bench kvcache``'s workload and engines): the accelerator tier alone, + a host
+    tier, + int8 KV on top when this build has it."""
+    from . import kvcache
+
+    log("rows 8-9: KV cache tiers on WT")
+    requests = 32 if scale == FULL else 12
+    args = argparse.Namespace(concurrency=2, host_mb=80, disk_mb=1024, threads=None)
+    model = kvcache.create_random_checkpoint(work / "kvcache-model", **kvcache.MODEL, seed=5)
+    bench = kvcache.Bench(args, model, work)
+    wt = kvcache.Workload.make(requests)
+    configs = [("hbm_only", "KV cache: accelerator tier only"), ("host_tier", "+ host-memory tier (KV offload)")]
+    if kvcache.has_kv_cache_dtype():
+        configs.append(("int8_kv", "+ int8 KV (host and disk tiers)"))
+    runs: list[Run] = []
+    for name, label in configs:
+        eng = bench.config_engine(name, work / f"kvcache-disk-{name}")
+        try:
+            kvcache.serve(eng, wt.warmup, 1, f"{name}-warm")
+            r = kvcache.serve(eng, wt.measured, args.concurrency, name)
+        finally:
+            eng.close()
+        runs.append(Run(label, r["tokens"], r["seconds"], r["ttft"], [],
+                        {"ttft_p95_s": round(kvcache.percentile(r["ttft"], 0.95), 4)}))
+    out = [runs[0].row(price) | {"workload": "WT"}]
+    for prev, run in zip(runs, runs[1:]):
+        out.append(run.row(price) | {"workload": "WT", "vs_previous": round(run.tokens_per_second / prev.tokens_per_second, 3)})
+    return out
+
+
 def measure(price: float, model_dir: Path | None, work: Path, train_seconds: float, draft_seconds: float,
             log, scale: Scale = FULL) -> dict:
     result: dict = {"price_per_hour": price, "hardware": hardware(), "loadavg_start": os.getloadavg(),
@@ -457,6 +490,7 @@ def measure(price: float, model_dir: Path | None, work: Path, train_seconds: flo
     sd = w1_engines["ngram"].stats().spec_decode
     result["ngram_w1_steps"] = {"speculated": sd.num_steps_speculated, "declined": sd.num_steps_declined} if sd else None
     del w1_engines
+    rows += kv_tier_rows(price, work, scale, log)
     result.update(int8_quality(model_dir, vocab, scale.quality_sequences))
     result["int8_copy_model_greedy"] = int8_copy_model_agreement(target_dir, w5[-8:], 128 if scale == FULL else 64)
     result["rows"] = rows
