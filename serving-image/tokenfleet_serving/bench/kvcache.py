@@ -4,15 +4,15 @@ what the accelerator holds.
 Workload (seeded, the same for every configuration): 16 shared prefixes of 1,024 tokens; each request is one
 of them (drawn uniformly) plus a 16-token suffix of its own, 16 greedy output tokens, EOS ignored;
 ``--concurrency`` requests (2) in flight in a closed loop. First every prefix is served once (the warm-up,
-not counted), then ``--requests`` (64) requests are measured. TTFT runs from a request's submission to its
-first token. The model is a small generated Llama (4 layers, hidden 256, 2 KV heads, fp32: 64 KiB of KV per
-16-token block, so a prefix is 4 MiB) so the whole run takes a few minutes on 2 cores.
+not counted), then ``--requests`` (48) requests are measured. TTFT runs from a request's submission to its
+first token. The model is ``bench engine``'s reference model (a generated Llama of 8 layers, hidden 512, 4 KV
+heads, fp32: 256 KiB of KV per 16-token block, so a prefix is 16 MiB), so the run takes a few minutes on 2 cores.
 
 Configurations, each a fresh engine of the same byte budget for its accelerator tier (the pool): 200 blocks
 of 16 tokens, which hold 3 of the 16 prefixes plus the running requests' own blocks:
 
 * ``hbm_only``: the accelerator tier alone (every prefix not among the last three used is recomputed);
-* ``host_tier``: + a host-memory tier of ``--host-mb`` (80 MiB: every prefix);
+* ``host_tier``: + a host-memory tier of ``--host-mb`` (320 MiB: every prefix);
 * ``host_and_disk``: + a host tier a third that size (6 prefixes) and a disk tier (the rest, in a temporary
   directory on the local disk; ``--disk-dir`` to choose);
 * ``int8_kv``: ``host_and_disk`` with ``--kv-cache-dtype int8`` (the same byte budget holds about twice the
@@ -50,10 +50,9 @@ from ..engine import LLMEngine, SamplingParams
 from ..engine.engine import EngineConfig
 from ..engine.kv_offload import KVOffloadConfig
 from ..testing_models import create_random_checkpoint
-from .engine import hardware
+from .engine import REFERENCE, hardware
 
-MODEL = dict(architecture="llama", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
-             intermediate_size=688, vocab_size=8192, dtype="float32")
+MODEL = dict(REFERENCE)
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS, BLOCK = 16, 1024, 16, 16, 16
 POOL_BLOCKS = 200                   # 3 prefixes of 64 blocks, plus the running requests' own blocks
 WARM_RESTART_REQUESTS = 30
@@ -352,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import plot as pl
 
     pl.add_argument(p, "TTFT and hit rate per tier for each configuration")
-    p.add_argument("--requests", type=int, default=64, help="measured requests per configuration")
+    p.add_argument("--requests", type=int, default=48, help="measured requests per configuration")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight")
-    p.add_argument("--host-mb", type=int, default=80, help="host tier of host_tier (host_and_disk: a third)")
+    p.add_argument("--host-mb", type=int, default=320, help="host tier of host_tier (host_and_disk: a third)")
     p.add_argument("--disk-mb", type=int, default=1024, help="disk tier budget")
     p.add_argument("--disk-dir", help="where the disk tiers go (default: a temporary directory)")
     p.add_argument("--budget-mb", type=int, default=64, help="the fixed budget of the concurrency count")

@@ -335,7 +335,7 @@ def kv_tier_rows(price: float, work: Path, scale: Scale, log) -> list[dict]:
 
     log("rows 8-9: KV cache tiers on WT")
     requests = 32 if scale == FULL else 12
-    args = argparse.Namespace(concurrency=2, host_mb=80, disk_mb=1024, threads=None)
+    args = argparse.Namespace(concurrency=2, host_mb=320, disk_mb=1024, threads=None)
     model = kvcache.create_random_checkpoint(work / "kvcache-model", **kvcache.MODEL, seed=5)
     bench = kvcache.Bench(args, model, work)
     wt = kvcache.Workload.make(requests)
