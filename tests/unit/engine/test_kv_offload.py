@@ -234,3 +234,48 @@ def test_tiers_are_refused_at_tensor_parallel_above_one_and_without_prefix_cachi
     with pytest.raises(ValueError, match="prefix caching"):
         LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 20, block_size=BS,
                                   enable_prefix_caching=False, kv_offload=KVOffloadConfig(1 << 20))
+
+
+def test_disk_tier_is_an_lru_within_its_byte_budget(tmp_path):
+    from tokenfleet_serving.engine.kv_offload import DiskTier, TierCounters
+
+    data = torch.arange(256, dtype=torch.uint8)
+    recs = [BlockRecord(hash_block(ROOT_HASH, [i] * 4), ROOT_HASH, (i,) * 4, data) for i in range(5)]
+    size = len(encode_block(b"\x03" * 32, recs[0], data))
+    counters = TierCounters()
+    tier = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, counters)
+    tier.store(recs[:3])
+    assert tier.wait_written()
+    assert tier.load(recs[0].hash) is not None              # block 0 is now the most recently used
+    tier.store(recs[3:])
+    assert tier.wait_written()
+    assert set(tier.hashes()) == {recs[0].hash, recs[3].hash, recs[4].hash}
+    assert len(list(tmp_path.glob("*.tfkv"))) == 3 and counters.blocks == 3
+    got = tier.load(recs[4].hash)
+    assert got is not None and got.tokens == (4,) * 4 and got.data is not None and torch.equal(got.data, data)
+    tier.close()
+    again = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, TierCounters())   # a restart
+    assert set(again.hashes()) == {recs[0].hash, recs[3].hash, recs[4].hash}
+    other = DiskTier(str(tmp_path), 3 * size, b"\x04" * 32, (256,), torch.uint8, TierCounters())   # another model
+    assert other.hashes() == [] and other.c.errors == {"foreign": 3}
+    again.close()
+    other.close()
+
+
+def test_a_replacement_loads_the_disk_tier_into_the_accelerator_before_its_first_request(llama_dir, baseline,
+                                                                                           tmp_path):
+    first = new_engine(llama_dir, host_blocks=100, disk=tmp_path / "kv")
+    run_rounds(first, rounds=1)
+    first.flush_kv_to_disk(10_000)
+    first.close()
+    second = new_engine(llama_dir, disk=tmp_path / "kv")
+    loaded = second.load_from_disk_tier(10_000)
+    assert 0 < loaded <= 24                                    # as many as the pool holds, parents first
+    assert second.kv.pool.num_free == second.kv.pool.num_blocks    # loaded blocks are free cached blocks
+    tiers = second.cached_block_hashes_by_tier()
+    for h in tiers["accelerator"]:                            # every loaded block's parent is loaded or the root
+        b = second.kv.pool.lookup(bytes.fromhex(h))
+        assert b is not None
+        origin = second.kv.pool.block_origin[b]
+        assert origin is not None and (origin[0] == ROOT_HASH or origin[0].hex() in tiers["accelerator"])
+    second.close()
