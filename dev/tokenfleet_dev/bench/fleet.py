@@ -131,6 +131,7 @@ class Settings:
     w4_load_factor: float | None = None        # routing.loadFactor / loadSlack of the W4 services (None: the API's)
     w4_load_slack: int | None = None
     w4_host_tier_mb: int | None = None         # prefix-aware once more with this host tier (None: every prefix; 0: not)
+    w4_host_tier_first: bool = False           # run it before the policies (the host drifts: swap the order)
     policies: tuple[str, ...] = POLICIES
     nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
     skip_autoscale: bool = False
@@ -588,6 +589,17 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     prefixes = [random_prompt(rng, s.w4_prefix_tokens, s.vocab) for _ in range(s.w4_prefixes)]
     kv_blocks = s.kv_blocks(s.w4_kv_mb)
     prefix_blocks = s.w4_prefix_tokens // 16
+    host_mb = s.w4_host_tier_mb
+    if host_mb is None:                        # every prefix, with a quarter to spare
+        host_mb = math.ceil(s.w4_prefixes * s.w4_prefix_tokens * s.kv_bytes_per_token * 1.25 / 2**20)
+
+    def host_tier_run() -> dict[str, Any] | None:
+        if host_mb <= 0 or "prefix-aware" not in s.policies:
+            return None
+        return w4_summary("prefix-aware", True, [w4_run(cluster, s, "prefix-aware", True, prefixes, suffix="-host",
+                                                        engine={"kvOffload": {"hostMemory": f"{host_mb}Mi"}})])
+
+    host_tier = host_tier_run() if s.w4_host_tier_first else None
     runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes)]) for p in s.policies}
     # the control's policies route alike (no prefix to follow), so what tells them apart is the host's drift
     # between runs: they alternate, A B B A ..., over w4_nosharing_rounds each, and pool their requests
@@ -598,13 +610,8 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     for i, p in enumerate(order):
         parts[p].append(w4_run(cluster, s, p, False, prefixes, suffix=f"-{i}"))
     control = {p: w4_summary(p, False, r) for p, r in parts.items() if r}
-    host_mb = s.w4_host_tier_mb
-    if host_mb is None:                        # every prefix, with a quarter to spare
-        host_mb = math.ceil(s.w4_prefixes * s.w4_prefix_tokens * s.kv_bytes_per_token * 1.25 / 2**20)
-    host_tier = None
-    if host_mb > 0 and "prefix-aware" in s.policies:
-        host_tier = w4_summary("prefix-aware", True, [w4_run(cluster, s, "prefix-aware", True, prefixes, suffix="-host",
-                                                             engine={"kvOffload": {"hostMemory": f"{host_mb}Mi"}})])
+    if not s.w4_host_tier_first:
+        host_tier = host_tier_run()
     p95 = {p: r["ttft_p95_s"] for p, r in runs.items()}
     rr, pa = p95.get("round-robin"), p95.get("prefix-aware")
     ns_pa, ns_ll = control.get("prefix-aware", {}).get("ttft_p95_s"), control.get("least-load", {}).get("ttft_p95_s")
@@ -622,7 +629,8 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
         "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
         "p95_ratio_round_robin_over_prefix_aware": rr / pa if rr and pa else None,
         "nosharing_p95_ratio_prefix_aware_over_least_load": ns_pa / ns_ll if ns_pa and ns_ll else None,
-        "host_tier": {"mb_per_replica": host_mb, "prefix_aware": host_tier} if host_tier else None,
+        "host_tier": ({"mb_per_replica": host_mb, "prefix_aware": host_tier, "ran_first": s.w4_host_tier_first}
+                      if host_tier else None),
         "prefix_aware_ttft_p95_seconds_by_host_tier": (
             {"without": pa, "with": host_tier["ttft_p95_s"],
              "ratio_without_over_with": pa / host_tier["ttft_p95_s"] if pa and host_tier["ttft_p95_s"] else None}
@@ -805,7 +813,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 seed=args.seed, w4_replicas=args.w4_replicas,
                 w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
                 w4_nosharing_rounds=args.w4_nosharing_rounds, w4_load_factor=args.w4_load_factor,
-                w4_load_slack=args.w4_load_slack, w4_host_tier_mb=args.w4_host_tier_mb, policies=tuple(args.policies.split(",")),
+                w4_load_slack=args.w4_load_slack, w4_host_tier_mb=args.w4_host_tier_mb,
+                w4_host_tier_first=args.w4_host_tier_first, policies=tuple(args.policies.split(",")),
                 nosharing_policies=tuple(args.nosharing_policies.split(",")),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
     return s
@@ -848,6 +857,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w4-host-tier-mb", type=int,
                     help="host tier (engine.kvOffload.hostMemory, MiB per replica) of a second prefix-aware W4 run "
                          "(default: enough for every prefix; 0: no such run)")
+    ap.add_argument("--w4-host-tier-first", action="store_true",
+                    help="run the host-tier W4 run before the policies' (to swap the order against the host's drift)")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)
