@@ -3,10 +3,13 @@ what the accelerator holds.
 
 Workload (seeded, the same for every configuration): 16 shared prefixes of 1,024 tokens; each request is one
 of them (drawn uniformly) plus a 16-token suffix of its own, 16 greedy output tokens, EOS ignored;
-``--concurrency`` requests (2) in flight in a closed loop. First every prefix is served once (the warm-up,
-not counted), then ``--requests`` (48) requests are measured. TTFT runs from a request's submission to its
-first token. The model is ``bench engine``'s reference model (a generated Llama of 8 layers, hidden 512, 4 KV
-heads, fp32: 256 KiB of KV per 16-token block, so a prefix is 16 MiB), so the run takes a few minutes on 2 cores.
+``--concurrency`` requests in flight in a closed loop (default 1, so that a TTFT is the request's own: the
+lookup, the copy back or the prefill, and its first step; at 2, a hit that arrives during another request's
+1,024-token prefill waits for it, and on a shared host the p95 then measures the neighbours). First every
+prefix is served once (the warm-up, not counted), then ``--requests`` (48) requests are measured. TTFT runs
+from a request's submission to its first token. The model is ``bench engine``'s reference model (a generated
+Llama of 8 layers, hidden 512, 4 KV heads, fp32: 256 KiB of KV per 16-token block, so a prefix is 16 MiB), so
+the run takes a few minutes on 2 cores.
 
 Configurations, each a fresh engine of the same byte budget for its accelerator tier (the pool): 200 blocks
 of 16 tokens, which hold 3 of the 16 prefixes plus the running requests' own blocks:
@@ -352,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pl.add_argument(p, "TTFT and hit rate per tier for each configuration")
     p.add_argument("--requests", type=int, default=48, help="measured requests per configuration")
-    p.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight (1: each TTFT is the request's own prefix cost, not its queue's)")
     p.add_argument("--host-mb", type=int, default=320, help="host tier of host_tier (host_and_disk: a third)")
     p.add_argument("--disk-mb", type=int, default=1024, help="disk tier budget")
     p.add_argument("--disk-dir", help="where the disk tiers go (default: a temporary directory)")
