@@ -56,6 +56,7 @@ from ..testing_models import create_random_checkpoint
 from .engine import REFERENCE, hardware
 
 MODEL = dict(REFERENCE)
+SMALL_MODEL = dict(REFERENCE, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=344)
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS, BLOCK = 16, 1024, 16, 16, 16
 POOL_BLOCKS = 200                   # 3 prefixes of 64 blocks, plus the running requests' own blocks
 WARM_RESTART_REQUESTS = 30
@@ -253,7 +254,7 @@ def kv_quality(work: Path) -> dict[str, Any] | None:
 
 def measure(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     hw = {**hardware(), "loadavg_1m_start": os.getloadavg()[0]}
-    model = create_random_checkpoint(work_dir / "model", **MODEL, seed=5)
+    model = create_random_checkpoint(work_dir / "model", **(SMALL_MODEL if args.small_model else MODEL), seed=5)
     bench = Bench(args, model, Path(args.disk_dir) if args.disk_dir else work_dir)
     work = Workload.make(args.requests)
     configs: dict[str, Any] = {}
@@ -292,7 +293,7 @@ def measure(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                      "block_size": BLOCK, "accelerator_blocks": POOL_BLOCKS,
                      "accelerator_prefixes": round(POOL_BLOCKS * BLOCK / PREFIX_TOKENS, 2),
                      "block_bytes": bench.block_bytes, "host_mb": args.host_mb, "disk_mb": args.disk_mb,
-                     "model": MODEL},
+                     "model": SMALL_MODEL if args.small_model else MODEL},
         "hardware": hw,
     }
 
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-dir", help="where the disk tiers go (default: a temporary directory)")
     p.add_argument("--budget-mb", type=int, default=64, help="the fixed budget of the concurrency count")
     p.add_argument("--price-per-hour", type=float, default=1.0, help="$ per replica-hour, for $/Mtok")
+    p.add_argument("--small-model", action="store_true",
+                   help="a 2-layer model of hidden 128 instead of the reference model (for tests: the fields, not the figures)")
     p.add_argument("--skip-quality", action="store_true", help="leave out the int8 KV quality measurements")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     args = p.parse_args(argv)
