@@ -245,16 +245,19 @@ class BlockFileError(Exception):
 
 def encode_block(config_hash: bytes, record: BlockRecord, data: torch.Tensor) -> bytes:
     tokens = struct.pack(f"<I{len(record.tokens)}I", len(record.tokens), *record.tokens)
-    kv = data.contiguous().view(torch.uint8).numpy().tobytes()
-    body = b"".join([MAGIC, config_hash, record.hash, record.parent, tokens, struct.pack("<Q", len(kv)), kv])
-    return body + hashlib.sha256(body).digest()
+    kv = memoryview(data.contiguous().view(torch.uint8).numpy().data).cast("B")
+    head = b"".join([MAGIC, config_hash, record.hash, record.parent, tokens, struct.pack("<Q", kv.nbytes)])
+    digest = hashlib.sha256(head)
+    digest.update(kv)
+    return b"".join([head, kv, digest.digest()])
 
 
 def decode_block(raw: bytes, config_hash: bytes, expected_hash: bytes, block_shape: tuple[int, ...],
                  dtype: torch.dtype) -> BlockRecord:
     """The block in ``raw``, or BlockFileError: corrupt (checksum, size), foreign (another config hash) or
     forged (its hash is not sha256(parent, tokens), or not the one it was filed under)."""
-    if len(raw) < len(MAGIC) + 96 + 4 + 8 + 32 or hashlib.sha256(raw[:-32]).digest() != raw[-32:]:
+    view = memoryview(raw)                  # no copies of the block's bytes but the tensor's own
+    if len(raw) < len(MAGIC) + 96 + 4 + 8 + 32 or hashlib.sha256(view[:-32]).digest() != raw[-32:]:
         raise BlockFileError("corrupt", "checksum mismatch or truncated")
     if raw[:len(MAGIC)] != MAGIC:
         raise BlockFileError("corrupt", "not a KV block file")
@@ -276,7 +279,7 @@ def decode_block(raw: bytes, config_hash: bytes, expected_hash: bytes, block_sha
         raise BlockFileError("corrupt", f"holds {kv_len} KV bytes for {n} tokens, expected {expected}")
     if h != expected_hash or hash_block(parent, tokens) != h:
         raise BlockFileError("forged", "its hash does not match its parent and tokens")
-    data = torch.frombuffer(bytearray(raw[o:o + kv_len]), dtype=torch.uint8).view(dtype).view(block_shape)
+    data = torch.frombuffer(bytearray(view[o:o + kv_len]), dtype=torch.uint8).view(dtype).view(block_shape)
     return BlockRecord(h, parent, tuple(tokens), data)
 
 
