@@ -21,16 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from tokenfleet_operator.api.common import (
-    ApiModel,
-    Conditions,
-    CrdInfo,
-    PrinterColumn,
-    ResourceRequirements,
-    Resource,
-    rule,
-    with_rules,
-)
+from tokenfleet_operator.api.common import ApiModel, Conditions, CrdInfo, PrinterColumn, Resource, ResourceRequirements, rule, with_rules
 
 # What `tokenfleet serve --served-model-name` accepts (as in api/inference_service.py).
 MODEL_NAME_PATTERN = r"^[^\s-]\S{0,127}$"
