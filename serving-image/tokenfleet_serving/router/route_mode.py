@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenfleet_serving.contract.route_files import CLASSIFIER_TIER, RouteConfig, TargetStatus, parse_targets
 from tokenfleet_serving.contract.router_files import ConfigError
@@ -74,8 +74,15 @@ class RouteMode:
                               ["grade"], registry=registry)
         self.scores = Histogram("tokenfleet_router_route_difficulty_score", "Rule-based difficulty scores.",
                                 buckets=(0, 1, 2, 3, 4, 5), registry=registry)
+        self.target_saturated = Gauge("tokenfleet_router_route_target_saturated", "1 while targets.json says the "
+                                      "target is saturated.", ["target"], registry=registry)
+        self.target_slo_met = Gauge("tokenfleet_router_route_target_slo_met", "1 while the target meets its SLO, 0 "
+                                    "while it misses it (absent: not measured).", ["target"], registry=registry)
+        self.target_cost = Gauge("tokenfleet_router_route_target_cost_per_million_tokens", "The target's measured "
+                                 "cost per million tokens (absent: unknown).", ["target"], registry=registry)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason=reason)
+        self._show_targets()
 
     # ---- targets.json --------------------------------------------------------------------------------
     def reload_targets(self) -> None:
@@ -94,6 +101,21 @@ class RouteMode:
             return
         self._targets_text = text
         self.status = {t.name: t for t in targets}
+        self._show_targets()
+
+    def _show_targets(self) -> None:
+        for name in self.names:
+            s = self.status.get(name)
+            self.target_saturated.labels(target=name).set(1 if s is not None and s.saturated else 0)
+            for gauge, value in ((self.target_slo_met, None if s is None or s.slo_met is None else float(s.slo_met)),
+                                 (self.target_cost, None if s is None else s.cost_per_mtok)):
+                if value is None:
+                    try:
+                        gauge.remove(name)
+                    except KeyError:
+                        pass
+                else:
+                    gauge.labels(target=name).set(value)
 
     def saturated(self, fleet: Fleet) -> set[str]:
         out = {name for name, s in self.status.items() if s.saturated}

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from harness.operator_cluster import Operator, apply, condition, get_json, install, wait_for
+from harness.router import metric_samples
 from harness.support import http
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -107,10 +108,11 @@ def test_a_route_over_two_services_sends_easy_requests_small_and_hard_ones_large
         apply(cluster, route("chat", targets=[{"inferenceService": "small"}, {"inferenceService": "large",
                                                                               "model": "large-m"}],
                              difficulty={"maxPromptTokens": 64, "maxOutputTokens": 8}), namespace)
+        # Ready over both targets, each with a ready replica (before that, a target counts as saturated)
         obj = wait_for("the route Ready over 2 targets", lambda: (o := get_json(cluster, "troute", "chat", "-n",
                                                                                 namespace))
                        and condition(o, "Ready").get("status") == "True" and o["status"].get("readyTargets") == 2
-                       and o, 240, op)
+                       and not any(t["saturated"] for t in o["status"]["targets"]) and o, 240, op)
         assert condition(obj, "TargetsResolved")["status"] == "True"
         assert [t["model"] for t in obj["status"]["targets"]] == ["small-m", "large-m"]
         base = wait_for("a ready route pod", lambda: route_pod_url(cluster, namespace), 60, op)
@@ -122,7 +124,10 @@ def test_a_route_over_two_services_sends_easy_requests_small_and_hard_ones_large
             assert status == 200, raw[:300]
             return {k.lower(): v for k, v in headers.items()}, json.loads(raw)
 
-        wait_for("both targets routable from the route", lambda: http("GET", f"{base}/ready")[0] == 200, 60, op)
+        # the router re-reads targets.json within a second of the kubelet updating it
+        wait_for("the route router sees no saturated target", lambda: all(
+            metric_samples(base).get(f"tokenfleet_router_route_target_saturated{{target={t}}}") == 0
+            for t in ("small", "large")), 30, op)
         headers, body = ask(4)
         assert (headers["x-tokenfleet-route-target"], headers["x-tokenfleet-route-reason"]) == ("small", "easy")
         assert body["model"] == "small-m"
