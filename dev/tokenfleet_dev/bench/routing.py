@@ -165,8 +165,11 @@ class Plane:
 # ---- the client -------------------------------------------------------------------------------------
 async def send(session, url: str, req: rt.TraceRequest, header: str | None) -> rt.Record:
     import aiohttp
+
+    from tokenfleet_serving.router.observe import carries_output
     rec = rt.Record(req.index, req.label, req.category)
-    body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
+    # token ids: a token can decode to no text yet, and its chunk still marks its arrival (as bench fleet does)
+    body = {**req.body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     headers = {OVERRIDE: header} if header else {}
     sent = time.monotonic()
     first = last = None
@@ -195,7 +198,7 @@ async def send(session, url: str, req: rt.TraceRequest, header: str | None) -> r
                     if obj.get("usage"):
                         rec.output_tokens = obj["usage"].get("completion_tokens") or 0
                         rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    if any((c.get("delta") or {}).get("content") for c in obj.get("choices") or []):
+                    if carries_output(obj):
                         now = time.monotonic()
                         first = first or now
                         last = now
@@ -232,6 +235,7 @@ def run_bench(plane_obj, workdir: Path, args: argparse.Namespace, log) -> dict[s
     from tokenfleet_serving.engine.tokenizer import load_tokenizer
     from tokenfleet_serving.router.prompt import prompt_info
 
+    host = hardware() | {"cpu_model": cpu_model()}
     p = Plane(plane_obj, "bench", workdir, log)
     p.install()
     models = p.create_models()
@@ -286,7 +290,7 @@ def run_bench(plane_obj, workdir: Path, args: argparse.Namespace, log) -> dict[s
         "hard_recall": recall,
         "hard_precision": precision,
         "requests_lost": passes["route"]["requests_lost"],
-        "hardware": hardware() | {"cpu_model": cpu_model(), "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "hardware": host | {"loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "slo": {"ttft_s": round(slo.ttft_s, 4), "tpot_s": round(slo.tpot_s, 4)},
         "cost_per_mtok": {k: round(v, 4) for k, v in cost.items()},
         "calibration": calibration,
