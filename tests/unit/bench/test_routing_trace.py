@@ -12,14 +12,21 @@ from tokenfleet_serving.router.difficulty import features, score
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
+    """The trace as the benchmark makes it, counted with the reference family's tokenizer and chat template
+    (the tokenizer files of ``create_random_checkpoint``, without weights)."""
+    import json
+
     from tokenfleet_dev.bench.fleet import Settings
     from tokenfleet_serving.engine.tokenizer import load_tokenizer
     from tokenfleet_serving.router.prompt import prompt_info
-    from tokenfleet_serving.testing_models import create_random_checkpoint
+    from tokenfleet_serving.testing_models import CHAT_TEMPLATE, build_tokenizer
 
-    model = create_random_checkpoint(tmp_path_factory.mktemp("m") / "m", num_layers=1, hidden_size=64, num_heads=4,
-                                     num_kv_heads=2, intermediate_size=128, vocab_size=Settings().vocab)
-    tokenizer = load_tokenizer(str(model))
+    d = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(Settings().vocab).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE}))
+    tokenizer = load_tokenizer(str(d))
     return rt.make_trace(lambda body: prompt_info("chat", body, tokenizer).num_tokens)
 
 
