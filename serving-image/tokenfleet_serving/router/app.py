@@ -295,6 +295,8 @@ class Router:
 
     async def ready(self, request: web.Request) -> web.Response:
         routable = self.fleet.routable()
+        if self.route is not None:      # a route is ready with a target to send to, not with a classifier alone
+            routable = [b for b in routable if b.endpoint.tier in self.route.by_name]
         if self.draining:
             reason = "draining"
         elif not self.fleet.endpoints_loaded:
