@@ -14,8 +14,9 @@ requests) is played four times through the route's router, by ``--clients`` clos
 - **route**: no header: the router's difficulty score decides. The router never sees the labels.
 
 **Prices.** Both services are priced alike per replica-hour (one accelerator each, ``PRICE``). Each target's cost
-per million output tokens is that price over the output tokens per hour it delivered in a calibration pass
-(``--calibration`` easy requests at the same concurrency, sent to it alone): the two targets' $/Mtok stand in
+per million output tokens is that price over the output tokens per hour it delivered in calibration passes
+(``--calibration`` easy requests at the same concurrency, sent to it alone, ``--calibration-rounds`` times,
+alternated between the targets and pooled): the two targets' $/Mtok stand in
 the ratio of their measured cost per token. A pass's $/Mtok counts each delivered output token at its target's.
 
 **SLO.** Twice the p95 TTFT and TPOT the all-large pass showed (an SLO the large model meets on this host), as
@@ -251,16 +252,24 @@ def run_bench(plane_obj, workdir: Path, args: argparse.Namespace, log) -> dict[s
                               hard_per_category=args.hard_per_category)
         easy = [r for r in trace if r.category == "easy"][:args.calibration]
         cost: dict[str, float] = {}
-        calibration: dict[str, Any] = {}
-        for target in ("small", "large"):
+        calibration: dict[str, Any] = {t: {"requests": 0, "lost": 0, "output_tokens": 0, "seconds": 0.0}
+                                       for t in ("small", "large")}
+        # alternated small, large, large, small, ...: a drift of the host's speed falls on both alike
+        order = [t for i in range(args.calibration_rounds)
+                 for t in (("small", "large") if i % 2 == 0 else ("large", "small"))]
+        for target in order:
             records, wall = asyncio.run(play(url, easy, args.clients, lambda r, t=target: t))
-            tokens = sum(r.output_tokens for r in records if r.ok)
-            per_hour = tokens / wall * 3600
-            cost[target] = PRICE_PER_REPLICA_HOUR / per_hour * 1e6
-            calibration[target] = {"requests": len(records), "lost": rt.lost(records), "output_tokens": tokens,
-                                   "seconds": round(wall, 2), "tokens_per_second": round(tokens / wall, 2),
-                                   "dollars_per_mtok": round(cost[target], 4)}
-            log(f"calibration {target}: {tokens / wall:.1f} tokens/s, {cost[target]:.3f} $/Mtok")
+            c = calibration[target]
+            c["requests"] += len(records)
+            c["lost"] += rt.lost(records)
+            c["output_tokens"] += sum(r.output_tokens for r in records if r.ok)
+            c["seconds"] += wall
+        for target, c in calibration.items():
+            c["seconds"] = round(c["seconds"], 2)
+            c["tokens_per_second"] = round(c["output_tokens"] / c["seconds"], 2)
+            cost[target] = PRICE_PER_REPLICA_HOUR / (c["tokens_per_second"] * 3600) * 1e6
+            c["dollars_per_mtok"] = round(cost[target], 4)
+            log(f"calibration {target}: {c['tokens_per_second']:.1f} tokens/s, {cost[target]:.3f} $/Mtok")
         headers = {"all-large": lambda r: "large", "all-small": lambda r: "small",
                    "oracle": lambda r: "large" if r.label == "hard" else "small", "route": lambda r: None}
         runs: dict[str, list[rt.Record]] = {}
@@ -351,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--hard-per-category", type=int, default=rt.HARD_PER_CATEGORY,
                     help="hard requests of each category (the easy ones match their output tokens)")
-    ap.add_argument("--calibration", type=int, default=16, help="easy requests per target to measure its cost")
+    ap.add_argument("--calibration", type=int, default=32, help="easy requests per target and round to measure "
+                    "its cost per token")
+    ap.add_argument("--calibration-rounds", type=int, default=4,
+                    help="calibration rounds per target, alternated (small, large, large, small, ...)")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
 
