@@ -67,7 +67,7 @@ from tokenfleet_serving.router.observe import (
 from tokenfleet_serving.router.policy import SESSION, PolicyParams, RouteRequest, choose, choose_tier
 from tokenfleet_serving.router.prefix import block_hashes
 from tokenfleet_serving.router.prompt import prompt_info
-from tokenfleet_serving.router.route_mode import REASON_HEADER, TARGET_HEADER, RouteMode
+from tokenfleet_serving.router.route_mode import DETAIL_HEADER, REASON_HEADER, TARGET_HEADER, RouteMode
 from tokenfleet_serving.router.state import MAX_SESSION_KEY_CHARS, MAX_SESSIONS, BackendState, Fleet, poll_forever
 from tokenfleet_serving.server.connection import DEFAULT_BODY_TIMEOUT_S, read_body, send_and_close
 
@@ -125,7 +125,8 @@ class _Request:
     fallback: bool = False
     adapter: str | None = None          # the LoRA adapter the request names (policy.py)
     route_target: str | None = None     # route mode: the target chosen (route_mode.py)
-    route_reason: str = ""              # route mode: why
+    route_reason: str = ""              # route mode: why (a label)
+    route_detail: str = ""              # ... in words
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -451,7 +452,7 @@ class Router:
             if routed is None:
                 return self._no_backend(self.route.names[-1])
             ctx.tier = ctx.route_target = routed.decision.target
-            ctx.route_reason = routed.decision.reason
+            ctx.route_reason, ctx.route_detail = routed.decision.reason, routed.decision.detail
             log.debug("route: %s (%s: %s)", ctx.tier, routed.decision.reason, routed.decision.detail)
             if routed.info.token_ids:
                 ctx.hashes = block_hashes(routed.info.token_ids, routed.kv_block_size)
@@ -603,6 +604,7 @@ class Router:
         if ctx is not None and ctx.route_target is not None:
             response.headers[TARGET_HEADER] = ctx.route_target
             response.headers[REASON_HEADER] = ctx.route_reason
+            response.headers[DETAIL_HEADER] = ctx.route_detail.encode("ascii", "replace").decode()[:512]
         await response.prepare(request)
         self.fleet.note_alive(backend)
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")

@@ -13,7 +13,8 @@ router pods (tier ``@classifier``). For each request it:
 4. rewrites the request's ``model`` to the target's served model name, and hashes the prompt's prefix blocks
    with that target's own tokenizer (each target keeps its own tokenizer and chat template);
 5. answers with the target's response as it comes: its usage is the target's, counted by its tokenizer; the
-   response carries ``x-tokenfleet-route-target`` and ``x-tokenfleet-route-reason``, and the decision is counted
+   response carries ``x-tokenfleet-route-target``, ``x-tokenfleet-route-reason`` and
+   ``x-tokenfleet-route-detail`` (the reason in words), and the decision is counted
    in ``tokenfleet_router_route_decisions_total{target,reason}``.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ log = logging.getLogger("tokenfleet.router.route")
 
 TARGET_HEADER = "x-tokenfleet-route-target"
 REASON_HEADER = "x-tokenfleet-route-reason"
+DETAIL_HEADER = "x-tokenfleet-route-detail"       # the reason in words, e.g. "difficulty 1 (tools)"
 FALLBACK_REASONS = ("unavailable", "timeout", "error", "no-grade")
 
 

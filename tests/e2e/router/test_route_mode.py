@@ -47,10 +47,10 @@ class Grader:
                 asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 grader.asked.append(asked)
                 if grader.mode == "slow":
-                    time.sleep(3)
+                    grader.stop.wait(3)
                 self._send(json.dumps({"choices": [{"index": 0, "text": " hard"}]}).encode())
 
-        self.mode, self.asked = mode, []
+        self.mode, self.asked, self.stop = mode, [], threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -69,6 +69,7 @@ def plane(tmp_path_factory):
     large_dir = create_random_checkpoint(d / "models" / "large", num_layers=2, vocab_size=384, max_position_embeddings=1024,
                                          seed=1)
     procs = []
+    graders: dict[str, Grader] = {}
     try:
         routers = {}
         for name, model_dir in (("small", small_dir), ("large", large_dir)):
@@ -81,7 +82,7 @@ def plane(tmp_path_factory):
             write_endpoints(sub / "endpoints.json", {f"{name}-0-0": backend})
             routers[name] = start_router(sub / "router.json")
             procs.append(routers[name])
-        graders = {"slow": Grader("slow"), "hard": Grader("hard")}
+        graders.update(slow=Grader("slow"), hard=Grader("hard"))
         targets = [{"name": "small", "model": "small-m"}, {"name": "large", "model": "large-m"}]
         difficulty = {"maxPromptTokens": 64, "maxOutputTokens": 16, "maxTurns": 2, "tools": True,
                       "responseSchema": True}
@@ -114,6 +115,10 @@ def plane(tmp_path_factory):
     finally:
         for p in procs:
             p.kill()
+        for g in graders.values():
+            g.stop.set()
+            g.server.shutdown()
+            g.server.server_close()
 
 
 def ask(base: str, body: dict, headers: dict | None = None):
@@ -144,6 +149,7 @@ def test_easy_goes_small_hard_goes_large_with_the_targets_own_usage(plane):
         status, hdrs, body = ask(base, hard)
         assert status == 200, body
         assert (hdrs["x-tokenfleet-route-target"], hdrs["x-tokenfleet-route-reason"]) == ("large", "hard"), hard
+        assert hdrs["x-tokenfleet-route-detail"].startswith("difficulty 1 (")
     status, hdrs, body = ask(base, hi())
     prompt_long = hi(messages=[{"role": "user", "content": "word " * 80}])
     status, hdrs, body = ask(base, prompt_long)
@@ -201,7 +207,8 @@ def test_cost_takes_the_cheapest_and_spills_when_it_misses_its_slo(plane):
 
     def spilled():
         _, h, _ = ask(base, hi())
-        return h["x-tokenfleet-route-target"] == "large" and h["x-tokenfleet-route-reason"] == "spill-slo"
+        return h["x-tokenfleet-route-target"] == "large" and h["x-tokenfleet-route-reason"] == "spill-slo" \
+            and "small misses its SLO" in h["x-tokenfleet-route-detail"]
     deadline = time.monotonic() + 10
     while not spilled():
         assert time.monotonic() < deadline, "the route never read the new targets.json"
