@@ -117,8 +117,9 @@ def router_pod_endpoints(pods: list[dict[str, Any]], tier: str) -> list[Endpoint
 
 def target_status(name: str, obj: dict[str, Any] | None) -> TargetStatus:
     """What the route's router is told of a target, from its status: the windowed cost per million tokens (else
-    the measured capacity cost; absent: unknown), goodput's ``met``, and saturated when it is at maxReplicas and
-    asks for more (ScalingLimited=True) or has no ready replica while it should have some."""
+    the measured capacity cost; absent, or a service without a price: unknown), goodput's ``met``, and
+    saturated when it is at maxReplicas and asks for more (ScalingLimited=True) or has no ready replica while
+    it should have some."""
     if obj is None or obj.get("kind") not in (None, "InferenceService"):
         return TargetStatus(name)
     status = obj.get("status") or {}
@@ -126,6 +127,8 @@ def target_status(name: str, obj: dict[str, Any] | None) -> TargetStatus:
     per_mtok = cost.get("costPerMillionTokens")
     if per_mtok is None:
         per_mtok = (cost.get("capacity") or {}).get("costPerMillionTokens")
+    if not cost.get("dollarsPerHour"):
+        per_mtok = None          # no price set (spec.price all 0): its tokens look free, but their cost is unknown
     met = (status.get("goodput") or {}).get("met")
     wanted = status.get("desiredReplicas")
     saturated = cond.is_true(status.get("conditions"), "ScalingLimited") or (

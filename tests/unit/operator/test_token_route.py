@@ -107,11 +107,14 @@ def test_a_classifier_that_is_missing_or_not_ready_is_a_condition():
 
 
 def test_target_status_reads_cost_goodput_and_saturation():
-    s = target_status("a", isvc("a", ["a"], cost={"costPerMillionTokens": 1.25}, goodput={"met": False},
-                                 desiredReplicas=2, readyReplicas=2))
+    s = target_status("a", isvc("a", ["a"], cost={"dollarsPerHour": 3.0, "costPerMillionTokens": 1.25},
+                                 goodput={"met": False}, desiredReplicas=2, readyReplicas=2))
     assert (s.cost_per_mtok, s.slo_met, s.saturated) == (1.25, False, False)
-    s = target_status("a", isvc("a", ["a"], cost={"capacity": {"costPerMillionTokens": 0.5}}, desiredReplicas=1,
-                                 readyReplicas=0))
+    # a service without a price shows 0 $/Mtok: unknown, not free
+    unpriced = isvc("a", ["a"], cost={"dollarsPerHour": 0.0, "costPerMillionTokens": 0.0})
+    assert target_status("a", unpriced).cost_per_mtok is None
+    s = target_status("a", isvc("a", ["a"], cost={"dollarsPerHour": 3.0, "capacity": {"costPerMillionTokens": 0.5}},
+                                 desiredReplicas=1, readyReplicas=0))
     assert (s.cost_per_mtok, s.slo_met, s.saturated) == (0.5, None, True)
     limited = isvc("a", ["a"], desiredReplicas=4, readyReplicas=4,
                    conditions=[{"type": "ScalingLimited", "status": "True", "reason": "AtMaxReplicas"}])
