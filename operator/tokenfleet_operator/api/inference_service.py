@@ -639,6 +639,32 @@ class AutoscalingStatus(ApiModel):
     )
 
 
+class AdapterStatus(ApiModel):
+    """One LoRA adapter of spec.adapters as the ready replicas report it (read every --collect-seconds)."""
+
+    name: str = Field(description="The adapter's model name.")
+    replicas: list[str] | None = Field(
+        default=None, description="Serving pods (one per replica) that hold the adapter in memory; the router "
+        "prefers them for its requests.")
+    serving_replicas: int = Field(default=0, description="Ready replicas that serve the adapter, in memory or read "
+                                  "again on its next request.", ge=0)
+    prompt_tokens: int = Field(default=0, description="Prompt tokens of its finished requests, summed over the "
+                               "ready replicas since each started.", ge=0)
+    generation_tokens: int = Field(default=0, description="Tokens generated with it, summed over the ready replicas "
+                                   "since each started.", ge=0)
+    token_share: float | None = Field(
+        default=None, description="Its generationTokens over every model's generated tokens on the same replicas "
+        "(base model and all adapters); absent before any token was generated.", ge=0, le=1)
+    dollars_per_hour: float | None = Field(
+        default=None, description="Its share of status.cost.dollarsPerHour: the service's cost split by generated "
+        "tokens (tokenShare * dollarsPerHour). A token of any adapter costs the same, status.cost."
+        "costPerMillionTokens.", ge=0)
+    refused: str | None = Field(
+        default=None, description="Why a replica refused the adapter: the adapter file, the field or tensor, and "
+        "the reason (a base-model mismatch, a rank over --max-lora-rank, an unknown target module, a missing or "
+        "corrupt file).")
+
+
 class InferenceServiceStatus(ApiModel):
     """Observed state of an InferenceService, written only by the operator."""
 
@@ -665,13 +691,19 @@ class InferenceServiceStatus(ApiModel):
     goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
     model_shape: ModelShapeStatus | None = Field(default=None, description="The model's split dimensions, once "
                                                  "read (replicas split over several ranks only).")
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters as the replicas serve them: where each is loaded, its tokens and "
+        "its share of the cost.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
         default=None,
         description=(
             "Ready, SlicesReady, RouterReady and Degraded, plus kstatus' Reconciling (the operator works toward the "
             "spec) and Stalled (only a new spec or a person helps), each with a reason and a message; with the "
-            "autoscaler also ScalingLimited."
+            "autoscaler also ScalingLimited; with spec.adapters also AdaptersReady (False with reason "
+            "AdapterRefused naming the adapter, file and field of one a replica refused)."
         ),
     )
 

@@ -93,6 +93,7 @@ def adapter_volumes(service: str, spec: InferenceServiceSpec) -> tuple[list[dict
         if on is None or on[1] is None or on[0] in seen:
             continue
         name, source = on
+        assert source is not None
         seen.add(name)
         volumes.append({"name": name, **source})
         mount = f"{ADAPTER_VOLUMES_MOUNT}/{name}"

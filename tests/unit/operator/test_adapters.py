@@ -134,3 +134,82 @@ def test_extra_args_may_bound_adapters_but_not_move_the_file():
     bad = spec_with([{"name": "a", "path": "/opt/a"}], engine={"extraArgs": ["--lora-modules-file", "/x.json"]})
     [problem] = check_inference_service(bad)
     assert problem.field == "spec.engine.extraArgs" and "spec.adapters" in problem.message
+
+
+# ---- status.adapters ---------------------------------------------------------------------------------------
+REPLICA_TEXT = """\
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="base"} 400.0
+# TYPE tokenfleet:lora_generation_tokens counter
+tokenfleet:lora_generation_tokens_total{adapter="sql",engine="0",model_name="base"} 100.0
+tokenfleet:lora_generation_tokens_total{adapter="poem",engine="0",model_name="base"} 0.0
+# TYPE tokenfleet:lora_prompt_tokens counter
+tokenfleet:lora_prompt_tokens_total{adapter="sql",engine="0",model_name="base"} 30.0
+# TYPE tokenfleet:lora_adapter_loaded gauge
+tokenfleet:lora_adapter_loaded{adapter="sql",engine="0",model_name="base"} 1.0
+tokenfleet:lora_adapter_loaded{adapter="poem",engine="0",model_name="base"} 0.0
+# TYPE tokenfleet:lora_adapter_error_info gauge
+tokenfleet:lora_adapter_error_info{adapter="bad",engine="0",field="r",file="/a/bad/adapter_config.json",\
+model_name="base",reason="rank 64 exceeds --max-lora-rank 16"} 1.0
+"""
+
+
+def test_a_replicas_adapters_are_read_from_its_metrics():
+    from tokenfleet_operator.pod_metrics import adapters_from_metrics
+
+    r = adapters_from_metrics(REPLICA_TEXT)
+    assert dict(r.loaded) == {"sql": True, "poem": False}
+    assert dict(r.generation_tokens) == {"sql": 100, "poem": 0} and dict(r.prompt_tokens) == {"sql": 30}
+    assert r.all_generation_tokens == 400
+    assert r.refused == (("bad", "/a/bad/adapter_config.json", "r", "rank 64 exceeds --max-lora-rank 16"),)
+    assert adapters_from_metrics("not metrics {") == adapters_from_metrics("")
+
+
+def test_status_adapters_split_the_cost_by_tokens_and_name_a_refused_adapter():
+    from tokenfleet_operator.adapter_status import adapters_status
+    from tokenfleet_operator.pod_metrics import ReplicaAdapters, adapters_from_metrics
+
+    spec = spec_with([{"name": "sql", "path": "/a/sql", "hot": True}, {"name": "poem", "path": "/a/poem"},
+                      {"name": "bad", "path": "/a/bad"}])
+    one = adapters_from_metrics(REPLICA_TEXT)
+    other = ReplicaAdapters(loaded=(("poem", True), ("sql", True)), generation_tokens=(("poem", 50), ("sql", 50)),
+                            all_generation_tokens=200, refused=(("bad", "/a/bad/adapter_config.json", "r", "too big"),))
+    gone = ReplicaAdapters(loaded=(("sql", True),), all_generation_tokens=10_000)     # not ready: left out
+    adapters, condition = adapters_status(spec, {"svc-0-0": one, "svc-1-0": other, "svc-2-0": gone},
+                                          {"svc-0-0", "svc-1-0"}, dollars_per_hour=6.0)
+    by_name = {a["name"]: a for a in adapters}
+    assert by_name["sql"] == {"name": "sql", "replicas": ["svc-0-0", "svc-1-0"], "servingReplicas": 2,
+                              "promptTokens": 30, "generationTokens": 150, "tokenShare": 0.25, "dollarsPerHour": 1.5}
+    assert by_name["poem"]["replicas"] == ["svc-1-0"] and by_name["poem"]["servingReplicas"] == 2
+    assert by_name["poem"]["dollarsPerHour"] == pytest.approx(6.0 * 50 / 600)
+    assert by_name["bad"]["servingReplicas"] == 0 and "adapter_config.json: r:" in by_name["bad"]["refused"]
+    assert (condition.type, condition.status, condition.reason) == ("AdaptersReady", "False", "AdapterRefused")
+    assert "'bad' (spec.adapters[2])" in condition.message and "svc-0-0, svc-1-0" in condition.message
+    assert "/a/bad/adapter_config.json: r:" in condition.message
+
+    fine = spec_with([{"name": "sql", "path": "/a/sql"}, {"name": "poem", "path": "/a/poem"}])
+    _, condition = adapters_status(fine, {"svc-0-0": one, "svc-1-0": other}, {"svc-0-0", "svc-1-0"}, 6.0)
+    assert (condition.status, condition.reason) == ("True", "AdaptersServed")
+    _, condition = adapters_status(fine, {"svc-0-0": ReplicaAdapters(loaded=(("sql", True),)), "svc-1-0": other},
+                                   {"svc-0-0", "svc-1-0"}, 6.0)
+    assert (condition.status, condition.reason) == ("False", "AdaptersLoading") and "poem (1/2" in condition.message
+    adapters, condition = adapters_status(fine, {}, set(), 6.0)
+    assert condition.status == "Unknown" and "tokenShare" not in adapters[0]
+    assert adapters_status(spec_with(None), {"svc-0-0": one}, {"svc-0-0"}, 6.0) == (None, None)
+
+
+def test_the_condition_goes_with_spec_adapters():
+    from tokenfleet_operator.inference_service_status import AdapterReports, compute_status
+
+    spec = spec_with([{"name": "sql", "path": "/a/sql"}])
+    reports = AdapterReports({"llama-0-0": adapters_from(REPLICA_TEXT)}, frozenset({"llama-0-0"}))
+    status = compute_status(isvc_body(), spec, "r", [], 0, adapter_reports=reports)
+    assert {c["type"] for c in status["conditions"]} >= {"AdaptersReady"} and status["adapters"][0]["name"] == "sql"
+    later = compute_status(isvc_body(), spec_with(None), "r", [], 0, old_status=status)
+    assert "AdaptersReady" not in {c["type"] for c in later["conditions"]} and "adapters" not in later
+
+
+def adapters_from(text: str):
+    from tokenfleet_operator.pod_metrics import adapters_from_metrics
+
+    return adapters_from_metrics(text)
