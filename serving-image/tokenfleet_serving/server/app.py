@@ -164,6 +164,7 @@ class Server:
         if self.checkpointer is not None:
             self._saver = loop.create_task(self.checkpointer.run_periodically())
         if self.adapter_file is not None:
+            self.adapter_file.on_change = self.engine_loop.refresh_snapshot
             self._adapter_follower = loop.create_task(self.adapter_file.run())
         self.warm = True
         log.info("ready in %.1f s: %s (context %d tokens, %d KV blocks of %d); start-up phases (s since the "

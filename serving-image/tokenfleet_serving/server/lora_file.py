@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ class AdapterFile:
         self._text: str | None = None
         self._entries: list[AdapterEntry] = []
         self._next_retry = 0.0
+        self.on_change: Callable[[], None] | None = None     # called on the event loop after a change applied
 
     def sync(self) -> bool:
         """Read the file and apply what changed (and retry refused entries when due); True if anything was
@@ -133,7 +135,8 @@ class AdapterFile:
         """Follow the file until cancelled."""
         while True:
             try:
-                await asyncio.to_thread(self.sync)
+                if await asyncio.to_thread(self.sync) and self.on_change is not None:
+                    self.on_change()
             except Exception:  # noqa: BLE001 - following the file must never stop the server
                 log.exception("applying the adapters file failed")
             await asyncio.sleep(self.interval)

@@ -66,7 +66,9 @@ def test_the_server_follows_its_adapters_file(tiny_model, adapters, tmp_path):
         listing.write_text(adapters_json([AdapterEntry("sql", "sql", root="vol", hot=True),
                                           AdapterEntry("poem", "poem", root="vol")]))
         until("poem to be a model", lambda: "poem" in models())
-        values = metric_values(srv.base_url)
+        # /metrics shows it without waiting for a step (the engine idles here)
+        values = until("poem on /metrics", lambda: (v := metric_values(srv.base_url))
+                       and "tokenfleet:lora_adapter_loaded{adapter=poem}" in v and v, timeout=3.0)
         assert values["tokenfleet:lora_adapter_loaded{adapter=poem}"] == 0.0       # registered, read on use
         assert values["tokenfleet:lora_adapter_loaded{adapter=sql}"] == 1.0        # hot
         assert not [k for k in values if k.startswith(ADAPTER_ERROR_METRIC)]        # "bad" left the file
