@@ -134,3 +134,55 @@ def test_route_section_and_targets_file_round_trip_and_refuse_unknown_keys():
     assert parse_targets(targets_json(statuses)) == statuses
     with pytest.raises(ConfigError, match=r"\[0\]\.costPerMillionTokens"):
         parse_targets([{"name": "a", "costPerMillionTokens": -1}])
+
+
+def test_route_mode_glue_override_model_classifier_fallback_and_concurrency_saturation(tmp_path):
+    """RouteMode.decide over a fleet of two targets' router pods (no network: the classifier has no pod)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from tokenfleet_serving.contract.router_files import Endpoint
+    from tokenfleet_serving.openai.errors import ApiError
+    from tokenfleet_serving.router.route_mode import RouteMode
+    from tokenfleet_serving.router.state import EngineSample, Fleet
+
+    route = RouteConfig("difficulty", (RouteTarget("small", "s", 16, 2), RouteTarget("large", "l")), D,
+                        Classifier("g", 0.1))
+    fleet = Fleet(RouterConfig(models=("chat",), route=route))
+    fleet.set_endpoints([Endpoint("small-r", "10.0.0.1", 8080, True, tier="small"),
+                         Endpoint("large-r", "10.0.0.2", 8080, True, tier="large")])
+    for name in ("small-r", "large-r"):
+        fleet.record_poll(name, EngineSample(), None, None)
+    registry = CollectorRegistry()
+    mode = RouteMode(route, "chat", {}, tmp_path / "targets.json", registry)
+
+    def decide(body, override=None):
+        return asyncio.run(mode.decide("chat", body, override, fleet, None, {}))
+
+    easy = chat("hi", max_tokens=4) | {"model": "chat"}
+    d = decide(easy)
+    assert (d.decision.target, d.decision.reason, d.model) == ("small", rp.EASY, "s")
+    assert registry.get_sample_value("tokenfleet_router_route_classifier_fallbacks_total",
+                                     {"reason": "unavailable"}) == 1
+    assert decide(easy, "large").decision.reason == rp.OVERRIDE
+    with pytest.raises(ApiError) as e:
+        decide(easy, "huge")
+    assert e.value.status == 400
+    with pytest.raises(ApiError) as e:
+        decide({**easy, "model": "s"})
+    assert e.value.status == 404 and e.value.param == "model"
+    fleet.backends["small-r"].inflight = 2          # maxConcurrentRequests of small
+    d = decide(easy)
+    assert (d.decision.target, d.decision.reason) == ("large", rp.SPILL_SATURATED)
+    assert registry.get_sample_value("tokenfleet_router_route_decisions_total",
+                                     {"target": "large", "reason": rp.SPILL_SATURATED}) == 1
+    # targets.json: read, shown as gauges, and a bad one keeps the last good state
+    (tmp_path / "targets.json").write_text('[{"name": "small", "costPerMillionTokens": 0.5, "saturated": true}]')
+    mode.reload_targets()
+    assert registry.get_sample_value("tokenfleet_router_route_target_saturated", {"target": "small"}) == 1
+    assert registry.get_sample_value("tokenfleet_router_route_target_cost_per_million_tokens",
+                                     {"target": "small"}) == 0.5
+    (tmp_path / "targets.json").write_text('[{"name": 1}]')
+    mode.reload_targets()
+    assert mode.status["small"].saturated
