@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -70,23 +71,38 @@ def plane(tmp_path_factory):
                                          seed=1)
     procs = []
     graders: dict[str, Grader] = {}
+    pool = ThreadPoolExecutor(4)       # the processes start side by side
+
+    def started(futures: dict) -> dict:
+        """The processes the futures started; every one that did start is killed at the end, even when another
+        failed to."""
+        out, failure = {}, None
+        for key, f in futures.items():
+            try:
+                out[key] = f.result()
+                procs.append(out[key])
+            except Exception as e:  # noqa: BLE001 - raised below, once the others are collected
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return out
+
     try:
-        routers = {}
-        for name, model_dir in (("small", small_dir), ("large", large_dir)):
-            backend = start_backend(model_dir, "--served-model-name", f"{name}-m")
-            procs.append(backend)
+        dirs = {"small": small_dir, "large": large_dir}
+        backends = started({name: pool.submit(start_backend, model_dir, "--served-model-name", f"{name}-m")
+                            for name, model_dir in dirs.items()})
+        for name, model_dir in dirs.items():
             sub = d / name
             sub.mkdir()
             (sub / "router.json").write_text(json.dumps({
                 "service": name, "models": [f"{name}-m"], "modelPath": str(model_dir), "policy": "least-load"}))
-            write_endpoints(sub / "endpoints.json", {f"{name}-0-0": backend})
-            routers[name] = start_router(sub / "router.json")
-            procs.append(routers[name])
+            write_endpoints(sub / "endpoints.json", {f"{name}-0-0": backends[name]})
+        routers = started({name: pool.submit(start_router, d / name / "router.json") for name in dirs})
         graders.update(slow=Grader("slow"), hard=Grader("hard"))
         targets = [{"name": "small", "model": "small-m"}, {"name": "large", "model": "large-m"}]
         difficulty = {"maxPromptTokens": 64, "maxOutputTokens": 16, "maxTurns": 2, "tools": True,
                       "responseSchema": True}
-        routes = {}
+        pending, sizes = {}, {}
         for key, route in (
                 ("rules", {"policy": "difficulty", "targets": targets, "difficulty": difficulty}),
                 ("slow", {"policy": "difficulty", "targets": targets, "difficulty": difficulty,
@@ -103,16 +119,19 @@ def plane(tmp_path_factory):
                    endpoint("large-router-0", routers["large"].port, "large")]
             if key in graders:
                 eps.append(endpoint("grader-0", graders[key].port, "@classifier"))
+            sizes[key] = len(eps)
             (sub / "endpoints.json").write_text(json.dumps(eps))
             (sub / "targets.json").write_text(json.dumps([
                 {"name": "small", "costPerMillionTokens": 0.5, "sloMet": True, "saturated": False},
                 {"name": "large", "costPerMillionTokens": 2.0, "sloMet": True, "saturated": False}]))
-            routes[key] = start_router(sub / "router.json", "--target-model", "small", str(small_dir),
+            pending[key] = pool.submit(start_router, sub / "router.json", "--target-model", "small", str(small_dir),
                                        "--target-model", "large", str(large_dir))
-            procs.append(routes[key])
-            wait_routable(routes[key], len(eps))
+        routes = started(pending)
+        for key, route_proc in routes.items():
+            wait_routable(route_proc, sizes[key])
         yield {"dir": d, "routes": routes, "graders": graders, "routers": routers}
     finally:
+        pool.shutdown(wait=True)
         for p in procs:
             p.kill()
         for g in graders.values():
