@@ -15,6 +15,7 @@ from tokenfleet_operator.builders.inference_service import common_labels, model_
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
 from tokenfleet_operator.naming import ACCELERATOR_NODE_LABEL, ROLE_LABEL, child_metadata, revision_of
 from tokenfleet_operator.parallelism import parallel_sizes
+from tokenfleet_operator.runtimes import runtime_of
 from tokenfleet_operator.validation import runs_bundled_server
 
 ROLE = "model-shape"
@@ -34,7 +35,7 @@ def needs_model_shape(spec: InferenceServiceSpec) -> bool:
         sizes = parallel_sizes(spec)
     except ValueError:
         return False                    # refused for its sizes before the shape matters
-    return sizes.world > 1 and runs_bundled_server(spec.image)
+    return sizes.world > 1 and runtime_of(spec).reads_model_shape and runs_bundled_server(spec.image)
 
 
 def model_shape_pod_name(service: str, spec: InferenceServiceSpec) -> str:

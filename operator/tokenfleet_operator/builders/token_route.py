@@ -30,7 +30,6 @@ from tokenfleet_operator.builders.inference_service import (
     ENDPOINTS_KEY,
     ROUTER_CONFIG_KEY,
     ROUTER_CONFIG_MOUNT,
-    _http_probe,
     source_volume,
 )
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
@@ -44,6 +43,7 @@ from tokenfleet_operator.naming import (
     child_metadata,
     revision_of,
 )
+from tokenfleet_operator.runtimes.base import http_probe
 from tokenfleet_serving.contract.route_files import (
     CLASSIFIER_TIER,
     Classifier,
@@ -198,8 +198,8 @@ def route_deployment(owner: dict[str, Any], spec: TokenRouteSpec, config: dict[s
         "command": ["tokenfleet", "route", "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
                     "--host", "0.0.0.0", "--port", str(ROUTER_PORT), *args],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe("/ready", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 10, 3),
+        "readinessProbe": http_probe("/ready", 5, 3),
+        "livenessProbe": http_probe("/health", 10, 3),
         "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}, *mounts],
     }
     harden_container(container)
