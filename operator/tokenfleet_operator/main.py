@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                               operator_namespace=args.lease_namespace,
                                               router_image=args.router_image),
         "Slice": functools.partial(reconcile_slice, policy=args.policy),
-        "TokenRoute": reconcile_token_route,
+        "TokenRoute": functools.partial(reconcile_token_route, router_image=args.router_image),
     }
     if args.policy.host_path_prefixes:
         log.info("host paths allowed under: %s", ", ".join(args.policy.host_path_prefixes))

@@ -168,7 +168,7 @@ def target_model_storage(target: ResolvedTarget) -> tuple[list[dict], list[dict]
 
 
 def route_deployment(owner: dict[str, Any], spec: TokenRouteSpec, config: dict[str, Any],
-                     targets: list[ResolvedTarget]) -> dict[str, Any]:
+                     targets: list[ResolvedTarget], router_image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     name = owner["metadata"]["name"]
     child = route_child_name(name)
     labels = route_labels(name)
@@ -189,11 +189,10 @@ def route_deployment(owner: dict[str, Any], spec: TokenRouteSpec, config: dict[s
             mounts.append(m)
         if directory:
             args += ["--target-model", t.name, directory]
-    image = next((t.spec.image for t in targets if t.spec is not None), DEFAULT_IMAGE)
     pull = next((t.spec.image_pull_policy for t in targets if t.spec is not None), "IfNotPresent")
     container: dict[str, Any] = {
         "name": "router",
-        "image": image,
+        "image": router_image,                  # the operator's --router-image, whatever the targets run
         "imagePullPolicy": pull,
         "command": ["tokenfleet", "route", "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
                     "--host", "0.0.0.0", "--port", str(ROUTER_PORT), *args],
@@ -243,11 +242,12 @@ def route_url(owner: dict[str, Any]) -> str:
 
 def desired_route_children(owner: dict[str, Any], spec: TokenRouteSpec, targets: list[ResolvedTarget],
                            endpoints: list[Endpoint], statuses: list[TargetStatus],
-                           classifier_model: str | None) -> tuple[dict[str, Any], ...]:
+                           classifier_model: str | None,
+                           router_image: str = DEFAULT_IMAGE) -> tuple[dict[str, Any], ...]:
     """The ConfigMap, Deployment and Service of the route, in apply order. ``endpoints``: the targets' and the
     classifier's router pods (``router_pod_endpoints``); ``statuses``: ``target_status`` of each target."""
     config = route_config(owner, spec, targets, classifier_model)
-    return (route_configmap(owner, config, endpoints, statuses), route_deployment(owner, spec, config, targets),
+    return (route_configmap(owner, config, endpoints, statuses), route_deployment(owner, spec, config, targets, router_image),
             route_service(owner))
 
 

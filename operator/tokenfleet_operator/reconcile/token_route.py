@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
 from tokenfleet_operator.api import API_VERSION
+from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE
 from tokenfleet_operator.api.token_route import TokenRouteSpec
 from tokenfleet_operator.builders.token_route import (
     CLASSIFIER_TIER,
@@ -60,8 +61,9 @@ def _write_status(ctx: Context, body: dict[str, Any], status: dict[str, Any]) ->
             ctx.event(body, "Warning", t.reason, t.message)
 
 
-def reconcile_token_route(ctx: Context, namespace: str, name: str) -> float | None:
-    """One level-based pass; returns None (the targets' changes and the resync bring it back)."""
+def reconcile_token_route(ctx: Context, namespace: str, name: str, router_image: str = DEFAULT_IMAGE) -> float | None:
+    """One level-based pass; returns None (the targets' changes and the resync bring it back). ``router_image``:
+    the image of the route's router Deployment (the operator's --router-image)."""
     cached = ctx.cache.get("TokenRoute", namespace, name)
     if cached is None or cached["metadata"].get("deletionTimestamp"):
         return None
@@ -104,7 +106,7 @@ def reconcile_token_route(ctx: Context, namespace: str, name: str) -> float | No
     if not resolution.cycle:
         for manifest in desired_route_children(owner, spec, resolution.targets, endpoints,
                                                [statuses[t.name] for t in resolution.targets],
-                                               resolution.classifier_model):
+                                               resolution.classifier_model, router_image):
             current = ctx.cache.get(manifest["kind"], namespace, manifest["metadata"]["name"])
             if not needs_apply(manifest, current):
                 continue

@@ -42,7 +42,8 @@ def adapter_root(pod_model):
 def operator(cluster, namespace, tmp_path, adapter_root):
     install(cluster)
     op = Operator(cluster, namespace, tmp_path / "operator.log",
-                  extra=(f"--allow-host-path={adapter_root}", "--collect-seconds=2")).start()
+                  extra=(f"--allow-host-path={adapter_root}", "--collect-seconds=2"),
+                  router_image=SERVING_IMAGE).start()    # a real router: requests go through it
     yield op
     op.stop()
 

@@ -101,7 +101,8 @@ def test_a_route_over_two_services_sends_easy_requests_small_and_hard_ones_large
                                                                                    tmp_path):
     install(cluster)
     small, large = two_models
-    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",)).start()
+    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",),
+                  router_image="tokenfleet/serving:test").start()    # real routers: requests go through them
     try:
         apply(cluster, service("small", small), namespace)
         apply(cluster, service("large", large), namespace)
