@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..contract.levers import parse_kv_cache_dtype
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
 from .block_pool import adapter_root_hash
@@ -93,6 +94,7 @@ class EngineConfig:
     load_tokenizer: bool = True
     cpu_kernels: bool = True            # compiled fp32 CPU kernels (cpu_kernels.py); False: PyTorch only
     quantization: str = "none"          # "int8": weight-only int8 linears, quantized at load (quantization.py)
+    kv_cache_dtype: str = "auto"        # "int8": the KV cache in int8, a scale per token and KV head (kv_quant.py)
     speculative: SpeculativeConfig | None = None    # speculative decoding (speculative.py); None: off
     load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
     parallel: ParallelConfig | None = None   # tensor parallelism over processes (distributed.py); None: one rank
@@ -149,6 +151,7 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(threads)
         self.quantization = parse_quantization(config.quantization)
+        self.kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, "kv_cache_dtype")
         model_config = load_config(config.model)
         self.dtype_choice = choose_dtype(config.dtype, device, model_config, config.cpu_kernels, self.quantization)
         self.device, self.dtype = device, self.dtype_choice.dtype
@@ -157,7 +160,7 @@ class LLMEngine:
         if parallel.world_size > 1:
             self._join(parallel, model_config, threads)
         setup = RankSetup(self.dtype, self.quantization, config.cpu_kernels, config.max_model_len,
-                          config.kv_cache_bytes, config.block_size, config.load_format)
+                          config.kv_cache_bytes, config.block_size, config.load_format, self.kv_cache_dtype)
         self.startup_marks: dict[str, float] = {}                        # server/startup.py reports them
         try:
             if self.group is not None:

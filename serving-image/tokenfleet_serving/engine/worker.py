@@ -40,6 +40,7 @@ class RankSetup:
     kv_cache_bytes: int
     block_size: int
     load_format: str = "mmap"
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -62,7 +63,7 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
         marks["weights_loaded"] = time.monotonic()
     max_len = min(setup.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
     runner = ModelRunner(ckpt.config, ckpt.weights, setup.dtype, device, max_len, use_kernels=setup.use_kernels,
-                         quantization=setup.quantization, group=group)
+                         quantization=setup.quantization, group=group, kv_cache_dtype=setup.kv_cache_dtype)
     config, tokenizer = ckpt.config, ckpt.tokenizer
     del ckpt
     if setup.block_size < 1:
