@@ -14,7 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
+from tokenfleet_serving.contract.levers import (
+    MAX_SPECULATIVE_TOKENS,
+    QuantizationError,
+    parse_kv_cache_dtype,
+    parse_quantization,
+)
 from tokenfleet_serving.contract.termination import ArgumentParser
 from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 
@@ -63,6 +68,13 @@ def _quantization(text: str) -> str:
         return parse_quantization(text, "--quantization")
     except QuantizationError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
+
+
+def _kv_cache_dtype(text: str) -> str:
+    try:
+        return parse_kv_cache_dtype(text, "--kv-cache-dtype")
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-cache-dtype: ").removeprefix("--kv-cache-dtype ")) from e
 
 
 def _speculative_tokens(text: str) -> int:
@@ -127,6 +139,9 @@ class ServeArgs:
     num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
     quantization: str = _flag("none", type=_quantization,
                               help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
+    kv_cache_dtype: str = _flag("auto", type=_kv_cache_dtype,
+                                help="KV cache storage: auto (the compute dtype), or int8 (a bf16 scale per token "
+                                     "and KV head: about twice the tokens of bf16 in the same --kv-cache-mb)")
     speculative_method: str | None = _flag(
         choices=("ngram", "draft"),
         help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
