@@ -36,6 +36,7 @@ from tokenfleet_operator.builders.auth import (
 )
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
 from tokenfleet_operator.builders.slice_pods import RENDEZVOUS_PORT
+from tokenfleet_operator.kv_budget import kv_budget
 from tokenfleet_operator.naming import (
     LEADER_LABEL,
     MANAGED_BY,
@@ -166,8 +167,9 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> 
         args += ["--max-model-len", str(eng.max_model_len)]
     if eng.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-    if eng.kv_cache_mb is not None:
-        args += ["--kv-cache-mb", str(eng.kv_cache_mb)]
+    args += list(kv_budget(spec).flags)
+    if eng.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", eng.kv_cache_dtype]
     if not eng.enable_prefix_caching:
         args.append("--no-prefix-caching")
     if eng.quantization != "none":

@@ -81,4 +81,6 @@ def model_shape_step(ctx: Context, owner: dict[str, Any], spec: InferenceService
 
 def _shape(entry: dict[str, Any]) -> ModelShape:
     return ModelShape(layers=entry["layers"], attention_heads=entry["attentionHeads"],
-                      kv_heads=entry["keyValueHeads"], intermediate_size=entry["intermediateSize"])
+                      kv_heads=entry["keyValueHeads"], intermediate_size=entry["intermediateSize"],
+                      head_dim=entry.get("headDim"), dtype_bytes=entry.get("dtypeBytes"),
+                      weight_bytes=entry.get("weightBytes"))
