@@ -307,3 +307,25 @@ def test_pools_layout_is_an_int8_tensor_and_bf16_scales_per_layer(checkpoints):
     assert layer.scales.shape == layer.data.shape[:-1]
     _greedy(eng, _prompts(512, n=2))
     assert eng.runner.kv_scales is not None and float(eng.runner.kv_scales.float().abs().max()) > 0
+
+
+# ---- the budget at start (issue 34, item 1) ------------------------------------------------------------------
+def test_the_budget_from_memory_utilization_is_that_fraction_less_weights_and_headroom(checkpoints):
+    from tokenfleet_serving.contract.kv_budget import HEADROOM_BYTES
+
+    model = checkpoints["llama"]
+    eng = _engine(model, memory_utilization=0.5, device_memory_bytes=3 << 30)
+    want = int(0.5 * (3 << 30)) - eng.runner.weight_bytes() - HEADROOM_BYTES
+    assert want - eng.runner.kv_block_bytes(4) < eng.kv_cache_bytes <= want
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 0.3 .*leaves no room"):
+        _engine(model, memory_utilization=0.3, device_memory_bytes=3 << 30)
+
+
+def test_a_max_model_len_the_pool_cannot_hold_once_is_refused_at_start_naming_the_fields(checkpoints):
+    model = checkpoints["llama"]
+    block = _engine(model, kv_cache_bytes=1 << 16).runner.kv_block_bytes(4)
+    with pytest.raises(ValueError, match=r"--max-model-len 400 \(engine.maxModelLen\) does not fit"):
+        _engine(model, kv_cache_bytes=99 * block, max_model_len=400)
+    assert _engine(model, kv_cache_bytes=100 * block, max_model_len=400).max_model_len == 400
+    # int8 holds the same context in fewer bytes
+    assert _engine(model, kv_cache_bytes=40 * block, max_model_len=400, kv_cache_dtype="int8").max_model_len == 400
