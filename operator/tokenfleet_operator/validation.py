@@ -145,8 +145,7 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if not runs_bundled_server(spec.image):
         return []
     model_dir = model_storage(spec)[2]
-    base = engine_args(spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": None})}),
-                       model_dir)[2:]
+    base = engine_args(spec, model_dir, with_extra_args=False)[2:]
     error = argument_error(base)
     if error is not None:
         field = "spec.model.servedModelNames" if "model name" in error else "spec.engine"

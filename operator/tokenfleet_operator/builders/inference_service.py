@@ -155,9 +155,10 @@ def parallel_args(sizes: ParallelSizes, member: int) -> list[str]:
     return args
 
 
-def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0, with_extra_args: bool = True) -> list[str]:
     """Command line of the serving container: 'tokenfleet serve' plus the engine flags; ``member`` 0 is the
-    leader (the only member of a one-host replica), any other value stands for a headless member."""
+    leader (the only member of a one-host replica), any other value stands for a headless member.
+    ``with_extra_args`` False leaves engine.extraArgs off the end (what the operator itself sets)."""
     eng = spec.engine
     args = ["tokenfleet", "serve", "--model", model_dir, "--host", "0.0.0.0", "--port", str(SERVING_PORT)]
     for name in spec.model.served_model_names:
@@ -187,7 +188,8 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> 
         args += ["--price-per-hour", f"{per_replica:g}"]
     args += warm_restart_args(spec)
     args += parallel_args(replica_sizes(spec), member)
-    args += list(eng.extra_args or [])
+    if with_extra_args:
+        args += list(eng.extra_args or [])
     return args
 
 
