@@ -119,6 +119,8 @@ OPERATOR_SERVE_FLAGS = {
     "tool_call_parser": ("--tool-call-parser", "spec.engine.toolCallParser"),
     "kv_cache_dtype": ("--kv-cache-dtype", "spec.engine.kvCacheDtype"),
     "accelerator_memory_bytes": ("--accelerator-memory-bytes", "spec.accelerator.memoryPerDevice"),
+    "lora_modules_file": ("--lora-modules-file", "spec.adapters"),
+    "lora_root": ("--lora-root", "spec.adapters"),
 }
 
 
@@ -225,6 +227,38 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
     return split + ([Problem("KVCacheTooSmall", *too_small)] if too_small else [])
 
 
+def adapter_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """spec.adapters: names unique and distinct from the model's (the schema's list map and CEL rule say so too,
+    for objects stored before them), an image that follows the adapters file, and one rank per replica (the
+    bundled engine refuses LoRA with tensor parallelism)."""
+    if spec.adapters is None:
+        return []
+    seen: set[str] = set()
+    for i, adapter in enumerate(spec.adapters):
+        if adapter.name in spec.model.served_model_names:
+            return [Problem("InvalidAdapter", f"spec.adapters[{i}].name",
+                            f"{adapter.name!r} is a served model name of spec.model; give the adapter its own")]
+        if adapter.name in seen:
+            return [Problem("InvalidAdapter", f"spec.adapters[{i}].name", f"{adapter.name!r} is listed twice")]
+        seen.add(adapter.name)
+    if not runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            f"adapters are served through the bundled serving image's --lora-modules-file ({BUNDLED_REPOSITORY}); "
+            f"{spec.image} may not follow it: remove spec.adapters or use the bundled image")]
+    try:
+        sizes = parallel_sizes(spec)
+    except SizeError:
+        return []                         # parallel_problems names it
+    if sizes.world > 1:
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            f"the bundled serving image does not implement LoRA adapters on a replica split over {sizes.world} ranks "
+            "(spec.engine.tensorParallelSize, from accelerator.countPerHost * accelerator.hostsPerReplica) yet; "
+            "serve adapters from replicas of one accelerator, or remove spec.adapters")]
+    return []
+
+
 def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS,
                             shape: ModelShape | None = None) -> list[Problem]:
     """``shape``: the model's dimensions, once known (``reconcile/model_shape.py``)."""
@@ -255,6 +289,7 @@ def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy =
             "NotInServingImage", "spec.warmRestart.enabled",
             f"warm restart is implemented by the bundled serving image ({BUNDLED_REPOSITORY}); {spec.image} may "
             "not accept its --prefix-checkpoint-* flags: disable warmRestart or use the bundled image"))
+    problems += adapter_problems(spec)
     lacking = _levers_the_bundled_server_lacks(spec)      # their flags would fail the argument check too
     return problems + lacking + ([] if lacking else serve_argument_problems(spec))
 

@@ -94,6 +94,14 @@ def _lora_module(text: str) -> tuple[str, str]:
     return served_model_name(name), path
 
 
+def _lora_root(text: str) -> tuple[str, str]:
+    """NAME=DIR of a volume the adapters file names."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name, path
+
+
 def _flag(default: Any = None, help: str | None = None, **argparse_options: Any) -> Any:
     """A field of ServeArgs and how its flag is parsed (``type``, ``choices``, ``action``, ``required``, ``group``)."""
     return field(default=default, metadata={"help": help, **argparse_options})
@@ -202,6 +210,14 @@ class ServeArgs:
     lora_modules: tuple[tuple[str, str], ...] | None = _flag(
         nargs="+", type=_lora_module, metavar="NAME=PATH", group=LORA,
         help="adapters to load at start (PEFT directories); more come with /v1/load_lora_adapter")
+    lora_modules_file: str | None = _flag(
+        metavar="PATH", group=LORA,
+        help="a JSON file of adapters to serve, followed while serving (checked every second): new entries "
+             "are loaded (hot) or registered, removed ones unloaded; refused ones are reported on /metrics "
+             "(the operator's adapters ConfigMap)")
+    lora_root: tuple[tuple[str, str], ...] | None = _flag(
+        nargs="+", type=_lora_root, metavar="NAME=DIR", group=LORA,
+        help="the directory of a volume that --lora-modules-file entries name as their root")
     max_loras: int = _flag(4, type=positive_int, group=LORA, help="distinct adapters in one batch")
     max_lora_rank: int = _flag(16, type=positive_int, group=LORA, help="largest adapter rank accepted")
     max_cpu_loras: int | None = _flag(type=positive_int, group=LORA,
@@ -234,6 +250,8 @@ class ServeArgs:
             values["served_model_name"] = tuple(values["served_model_name"])
         if values["lora_modules"] is not None:
             values["lora_modules"] = tuple(values["lora_modules"])
+        if values["lora_root"] is not None:
+            values["lora_root"] = tuple(values["lora_root"])
         return cls(**values)
 
     def problem(self) -> str | None:
@@ -242,6 +260,8 @@ class ServeArgs:
             return "--enable-auto-tool-choice needs --tool-call-parser"
         if self.lora_modules and not self.enable_lora:
             return "--lora-modules needs --enable-lora"
+        if self.lora_modules_file and not self.enable_lora:
+            return "--lora-modules-file needs --enable-lora"
         budgets = [f for f, v in (("--kv-cache-mb", self.kv_cache_mb), ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
                                   ("--gpu-memory-utilization", self.gpu_memory_utilization)) if v is not None]
         if len(budgets) > 1:

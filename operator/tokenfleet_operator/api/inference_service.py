@@ -9,10 +9,12 @@ from pydantic import Field
 from pydantic.json_schema import JsonDict
 
 from tokenfleet_operator.api.common import (
+    ABSOLUTE_PATH_PATTERN,
     DNS_LABEL_PATTERN,
     IMAGE_PATTERN,
     LABEL_KEY_PATTERN,
     QUANTITY_PATTERN,
+    RELATIVE_PATH_PATTERN,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
     ApiModel,
@@ -24,7 +26,7 @@ from tokenfleet_operator.api.common import (
     rule,
     with_rules,
 )
-from tokenfleet_operator.api.model_source import ModelSource
+from tokenfleet_operator.api.model_source import HostPathSource, ModelSource
 from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
 from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
@@ -52,6 +54,48 @@ class ModelSpec(ModelSource):
         min_length=1,
         max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+
+class AdapterHostPathSource(HostPathSource):
+    """An adapter in a directory on every node, mounted read-only: path is the volume (under a prefix the
+    operator allows), subPath the adapter's directory inside it."""
+
+    sub_path: str | None = Field(
+        default=None,
+        description="The adapter's directory inside path; relative, without '..'. Adapters that share a path share "
+                    "one volume, so adding one more below it changes no pod.",
+        max_length=1024, pattern=RELATIVE_PATH_PATTERN,
+    )
+
+
+class AdapterSpec(ModelSource):
+    """A LoRA adapter of the served model (PEFT's layout: adapter_config.json and adapter_model.safetensors),
+    served by every replica under its own model name. Exactly one of path, pvc or hostPath."""
+
+    name: str = Field(
+        description="The model name clients pass as 'model' for this adapter; unique among spec.adapters and "
+                    "distinct from spec.model.servedModelNames. 1-128 characters, no whitespace, not starting with "
+                    "'-'.",
+        min_length=1, max_length=128, pattern=SERVED_MODEL_NAME_PATTERN,
+    )
+    path: str | None = Field(
+        default=None,
+        description="Absolute directory inside the serving container, other than / and without '..': in the image, "
+                    "or below /models when the model comes from a pvc or hostPath (the model's own volume). Changes "
+                    "no pod when added or removed.",
+        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN,
+    )
+    host_path: AdapterHostPathSource | None = Field(
+        default=None,
+        description="Load the adapter from a directory on the node, if a cluster administrator allowed it (the "
+                    "operator's --allow-host-path).",
+    )
+    hot: bool = Field(
+        default=False,
+        description="Load the adapter into every replica at once and keep it there; otherwise a replica checks its "
+                    "files when it is listed and reads it on its first request (the router prefers replicas that "
+                    "have it in memory).",
     )
 
 
@@ -466,6 +510,11 @@ class InferenceServiceSpec(ApiModel):
             field_path=".engine.pipelineParallelSize",
         ),
         rule(
+            "!has(self.adapters) || self.adapters.all(a, !(a.name in self.model.servedModelNames))",
+            "adapter names must differ from model.servedModelNames (each is a model name of its own)",
+            field_path=".adapters",
+        ),
+        rule(
             "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
             "warmRestart restores the prefix cache: engine.enablePrefixCaching must be true",
             field_path=".engine.enablePrefixCaching",
@@ -473,6 +522,20 @@ class InferenceServiceSpec(ApiModel):
     )
 
     model: ModelSpec = Field(description="The model to serve.")
+    adapters: list[AdapterSpec] | None = Field(
+        default=None,
+        description="LoRA adapters of the model, each served as a model of its own by every replica (bundled "
+        "serving image, one rank per replica). Adding or removing one restarts no replica: the operator renders them "
+        "into the ConfigMap <name>-adapters, which each replica follows within seconds (loading, registering or "
+        "unloading; requests running with a removed adapter finish first). Only a pvc claim or hostPath path no "
+        "earlier adapter used adds a volume to the pods and rolls the replicas once; so does setting this field "
+        "from unset (it turns LoRA on in the engine) or unsetting it. An empty list keeps LoRA on. Adapter size "
+        "bounds are the engine's: add --max-lora-rank, --max-loras or --max-cpu-loras to engine.extraArgs. An "
+        "adapter a replica refuses (base model mismatch, rank over --max-lora-rank, unknown target module, corrupt "
+        "files) shows in the AdaptersReady condition, naming the adapter, file and field.",
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     replicas: int = Field(default=1, description="Serving replicas; each replica is one Slice.", ge=0, le=1000)
     min_replicas: int | None = Field(
         default=None, description="Lower bound for the built-in autoscaler (default 1; 0 scales to zero when idle).",
@@ -615,6 +678,32 @@ class AutoscalingStatus(ApiModel):
     )
 
 
+class AdapterStatus(ApiModel):
+    """One LoRA adapter of spec.adapters as the ready replicas report it (read every --collect-seconds)."""
+
+    name: str = Field(description="The adapter's model name.")
+    replicas: list[str] | None = Field(
+        default=None, description="Serving pods (one per replica) that hold the adapter in memory; the router "
+        "prefers them for its requests.")
+    serving_replicas: int = Field(default=0, description="Ready replicas that serve the adapter, in memory or read "
+                                  "again on its next request.", ge=0)
+    prompt_tokens: int = Field(default=0, description="Prompt tokens of its finished requests, summed over the "
+                               "ready replicas since each started.", ge=0)
+    generation_tokens: int = Field(default=0, description="Tokens generated with it, summed over the ready replicas "
+                                   "since each started.", ge=0)
+    token_share: float | None = Field(
+        default=None, description="Its generationTokens over every model's generated tokens on the same replicas "
+        "(base model and all adapters); absent before any token was generated.", ge=0, le=1)
+    dollars_per_hour: float | None = Field(
+        default=None, description="Its share of status.cost.dollarsPerHour: the service's cost split by generated "
+        "tokens (tokenShare * dollarsPerHour). A token of any adapter costs the same, status.cost."
+        "costPerMillionTokens.", ge=0)
+    refused: str | None = Field(
+        default=None, description="Why a replica refused the adapter: the adapter file, the field or tensor, and "
+        "the reason (a base-model mismatch, a rank over --max-lora-rank, an unknown target module, a missing or "
+        "corrupt file).")
+
+
 class InferenceServiceStatus(ApiModel):
     """Observed state of an InferenceService, written only by the operator."""
 
@@ -641,13 +730,19 @@ class InferenceServiceStatus(ApiModel):
     goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
     model_shape: ModelShapeStatus | None = Field(default=None, description="The model's split dimensions, once "
                                                  "read (replicas split over several ranks only).")
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters as the replicas serve them: where each is loaded, its tokens and "
+        "its share of the cost.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
         default=None,
         description=(
             "Ready, SlicesReady, RouterReady and Degraded, plus kstatus' Reconciling (the operator works toward the "
             "spec) and Stalled (only a new spec or a person helps), each with a reason and a message; with the "
-            "autoscaler also ScalingLimited."
+            "autoscaler also ScalingLimited; with spec.adapters also AdaptersReady (False with reason "
+            "AdapterRefused naming the adapter, file and field of one a replica refused)."
         ),
     )
 

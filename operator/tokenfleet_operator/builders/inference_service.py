@@ -24,6 +24,7 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.api.model_source import ModelSource
+from tokenfleet_operator.builders.adapters import adapter_volumes, adapters_configmap, lora_args, lora_enabled
 from tokenfleet_operator.builders.auth import (
     NO_WIRING,
     Wiring,
@@ -188,6 +189,7 @@ def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0, wit
         args += ["--price-per-hour", f"{per_replica:g}"]
     args += warm_restart_args(spec)
     args += parallel_args(replica_sizes(spec), member)
+    args += lora_args(spec)
     if with_extra_args:
         args += list(eng.extra_args or [])
     return args
@@ -241,7 +243,8 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
     """The Slice spec of every replica (identical across replicas)."""
     volumes, mounts, model_dir = model_storage(spec)
     draft_volumes, draft_mounts, _ = draft_model_storage(spec)
-    volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
+    adapter_vols, adapter_mounts, _ = adapter_volumes(service, spec)
+    volumes, mounts = volumes + draft_volumes + adapter_vols, mounts + draft_mounts + adapter_mounts
     template_meta: dict[str, Any] = {"labels": common_labels(service)}
     if key_annotations(wiring):
         template_meta["annotations"] = key_annotations(wiring)
@@ -437,7 +440,7 @@ class Children:
 
     revision: str
     slices: tuple[dict[str, Any], ...]  # index i -> manifest of replica i at the current revision
-    others: tuple[dict[str, Any], ...]  # ConfigMap, Deployment, Services, in apply order
+    others: tuple[dict[str, Any], ...]  # ConfigMaps (adapters, router), Deployment, Services, in apply order
 
 
 def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
@@ -452,6 +455,7 @@ def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
         slices=tuple(slice_manifest(owner, spec, i, wiring)
                      for i in range(spec.replicas if replicas is None else replicas)),
         others=(
+            *([adapters_configmap(owner, spec, common_labels(name))] if lora_enabled(spec) else []),
             router_configmap(owner, spec, endpoints),
             router_deployment(owner, spec, wiring),
             router_service(owner),

@@ -546,6 +546,14 @@ class LLMEngine:
             self.lora.load(name, path)
             return self.lora.load_seconds[name]
 
+    def register_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Make adapter ``name`` servable from ``path``, read on its first request: its files are checked now
+        (``lora_adapter.AdapterError``, ValueError) but not kept in memory."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        with self.lock:
+            self.lora.register(name, path)
+
     def unload_lora_adapter(self, name: str) -> bool:
         """Stop serving ``name``: True when it is gone now, False when it goes as its running requests finish
         (new requests for it are refused from now on). ``UnknownAdapter`` if it is not served."""

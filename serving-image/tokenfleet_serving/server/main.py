@@ -113,7 +113,8 @@ def config_from_args(args: ServeArgs):
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
-                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or ())
+                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or (),
+                        lora_modules_file=args.lora_modules_file, lora_roots=args.lora_root or ())
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,
