@@ -474,10 +474,12 @@ def measure(price: float, model_dir: Path | None, work: Path, train_seconds: flo
     log("row 11: int8 KV cache on WL (long contexts at a fixed KV budget), its quality and capacity")
     from . import kv_quality
     prompts, lengths = wl(vocab, scale)
-    probe = engine(model_dir, kv_cache_bytes=1 << 20)
+    probe = engine(model_dir, kv_cache_bytes=1 << 20, dtype="float32")
     budget = scale.wl_contexts * -(-2048 // probe.kv.block_size) * probe.runner.kv_block_bytes(probe.kv.block_size)
     del probe
-    wl_kw = dict(kv_cache_bytes=budget, max_num_seqs=MAX_BATCH, max_num_batched_tokens=2048)
+    # fp32 (as W5's rows): the compiled kernels read the int8 cache in place; bf16 and fp16 run the PyTorch path,
+    # which dequantizes every gathered block (correct, not fast)
+    wl_kw = dict(kv_cache_bytes=budget, max_num_seqs=MAX_BATCH, max_num_batched_tokens=2048, dtype="float32")
     full_kv = run_engine(engine(model_dir, **wl_kw), "paged KV in the model dtype", prompts, lengths)
     int8_kv = run_engine(engine(model_dir, **wl_kw, kv_cache_dtype="int8"), "+ int8 KV cache", prompts, lengths)
     rows += [int8_kv.row(price) | {"workload": f"WL, KV budget {budget >> 20} MiB",

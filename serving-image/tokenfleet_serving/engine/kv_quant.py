@@ -50,7 +50,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q`` [..., head_dim] int8 times ``scale`` [...]: the stored values in ``dtype``."""
+    """``q`` [..., head_dim] int8 times ``scale`` [...]: the stored values in ``dtype``. In bf16 and fp32 the
+    product is formed in ``dtype`` directly (|q| <= 127 and the scale are exact there, and the product rounds
+    once either way: the same values as through fp32, without an fp32 copy); fp16 goes through fp32 (a bf16
+    scale need not fit fp16)."""
+    if dtype in (torch.bfloat16, torch.float32):
+        return q.to(dtype) * scale.to(dtype).unsqueeze(-1)
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
