@@ -10,8 +10,8 @@ workload:
 * + speculative decoding (prompt lookup), on W5 at batch 1, 4 and 16: extractive requests whose answers copy
   spans of their prompt, served by a Llama of the reference model's size whose first two layers copy by
   construction (``copy_task.py``), int8 weights computed in fp32 (``W5_DTYPE``);
-* + an int8 KV cache, on WL (16 requests of 1,984 prompt + 64 output tokens at once) with a KV budget of four
-  2,048-token contexts in the model's dtype: the int8 cache holds more of them at once (``kv_quality.py``
+* + an int8 KV cache, on WL (16 requests of 1,984 prompt + 64 output tokens at once, fp32) with a KV budget of
+  four 2,048-token contexts in fp32: the int8 cache holds more of them at once (``kv_quality.py``
   also reports its quality against the model dtype's cache and the concurrency it buys at 1 GiB).
 
 Workloads (seeded): WM, 48 requests of 32-256 prompt and 16-192 output tokens, at most 16 at once; WS,
