@@ -14,7 +14,7 @@ Where the budget comes from (at most one of the three fields; the schema refuses
   server's default (512 MiB). A budget flag in ``engine.extraArgs`` replaces the default.
 
 The check needs the model's shape (``status.modelShape``: layers, KV heads, head width, weight bytes), which the
-operator reads before starting a split model; the server checks the same at start for any replica and exits 2
+operator reads before starting a split model; the server checks the same at start for any replica and exits 1
 naming the fields. The dtype counts at its smallest plausible size (``auto``: 2 bytes) and unknown weights as
 zero, so a budget is refused only when it certainly cannot hold one context.
 """

@@ -14,7 +14,7 @@ A budget comes from one of (the operator's fields / the server's flags):
 A context of ``max_model_len`` tokens needs ``ceil(max_model_len / block_size)`` blocks of ``block_size *
 kv_bytes_per_token`` bytes (``levers.kv_bytes_per_token``: the rank's KV heads, the dtype, ``kvCacheDtype``).
 A budget that cannot hold one such context is refused before it runs (operator: condition
-``KVCacheTooSmall``; server: exit 2).
+``KVCacheTooSmall``; server: exit 1 at start, the termination message naming the fields).
 """
 from __future__ import annotations
 
