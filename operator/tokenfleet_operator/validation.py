@@ -284,14 +284,21 @@ def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy =
     checkpoint = spec.slice_policy.checkpoint
     problems += _host_path_problem(_store_host_path(checkpoint.store if checkpoint else None),
                                    "spec.slicePolicy.checkpoint.store", policy)
+    problems += adapter_problems(spec)
+    from tokenfleet_operator.runtimes import runtime_of  # the runtimes build on this module's Problem
+    return problems + runtime_of(spec).problems(spec)
+
+
+def bundled_server_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """What the tokenfleet runtime (``runtimes/tokenfleet.py``) cannot honour: warm restart from another image,
+    levers the bundled server lacks, and a command line its own parser would refuse."""
     if spec.warm_restart.enabled and not runs_bundled_server(spec.image):
-        problems.append(Problem(
+        return [Problem(
             "NotInServingImage", "spec.warmRestart.enabled",
             f"warm restart is implemented by the bundled serving image ({BUNDLED_REPOSITORY}); {spec.image} may "
-            "not accept its --prefix-checkpoint-* flags: disable warmRestart or use the bundled image"))
-    problems += adapter_problems(spec)
+            "not accept its --prefix-checkpoint-* flags: disable warmRestart or use the bundled image")]
     lacking = _levers_the_bundled_server_lacks(spec)      # their flags would fail the argument check too
-    return problems + lacking + ([] if lacking else serve_argument_problems(spec))
+    return lacking or serve_argument_problems(spec)
 
 
 def _template_problems(template_spec: dict[str, Any]) -> list[Problem]:

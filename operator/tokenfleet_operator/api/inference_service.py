@@ -159,6 +159,12 @@ class EngineSpec(ApiModel):
             field_path=".maxNumBatchedTokens",
         ),
         rule(
+            "self.runtime == oldSelf.runtime",
+            "engine.runtime cannot change: an InferenceService runs one runtime (its replicas and its router speak "
+            "it); create another InferenceService with the other runtime, a fleet may hold both",
+            field_path=".runtime",
+        ),
+        rule(
             "[has(self.kvCacheMb), has(self.kvCacheMemory), has(self.acceleratorMemoryUtilization)]"
             ".filter(x, x).size() <= 1",
             "set at most one of kvCacheMemory, acceleratorMemoryUtilization and kvCacheMb: each sizes the KV cache",
@@ -171,6 +177,14 @@ class EngineSpec(ApiModel):
         ),
     )
 
+    runtime: Literal["tokenfleet", "vllm"] = Field(
+        default="tokenfleet",
+        description="The engine the replicas run (docs/runtimes.md): tokenfleet, the bundled engine ('tokenfleet "
+        "serve'), or vllm ('vllm serve' in spec.image, a vLLM image such as vllm/vllm-openai). The operator builds "
+        "the engine's command line, probes and API key from the fields of this spec; a field the chosen runtime "
+        "cannot honour makes the service Ready=False with reason NotSupportedByRuntime, naming the field. The "
+        "router always runs from the operator's own image. One runtime per InferenceService.",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Activation and weight dtype; auto uses the model's own."
     )
@@ -254,7 +268,10 @@ class EngineSpec(ApiModel):
             "tokenfleet/serving image they are checked against 'tokenfleet serve' itself: an unknown flag, a bad "
             "value, or a flag the operator sets from another field (--model, --host, --port, --api-key, "
             "--served-model-name, --dtype, ...) makes the service Ready=False with reason InvalidEngineArgs "
-            "instead of crash-looping pods."
+            "instead of crash-looping pods. With runtime vllm, a flag the operator sets (listed in "
+            "docs/runtimes.md), its alias or abbreviation makes the service Ready=False with reason "
+            "ExtraArgsCollision naming it; other flags go to vllm serve as they are (one it refuses fails the "
+            "replica at once with its error)."
         ),
         max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
@@ -552,7 +569,9 @@ class InferenceServiceSpec(ApiModel):
     routing: RoutingSpec = _defaulted(RoutingSpec, "Routing policy and the router Deployment.")
     slo: SloSpec = _defaulted(SloSpec, "Latency objectives.")
     price: PriceSpec = _defaulted(PriceSpec, "Prices used for cost reporting.")
-    image: str = Field(default=DEFAULT_IMAGE, description="Serving image, without whitespace; the router runs from it too.",
+    image: str = Field(default=DEFAULT_IMAGE, description="Serving image, without whitespace: the bundled "
+                       "tokenfleet/serving for engine.runtime tokenfleet, a vLLM image (e.g. vllm/vllm-openai) for "
+                       "vllm. The router runs from the operator's own image (its --router-image), whatever this is.",
                        min_length=1, max_length=512, pattern=IMAGE_PATTERN)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the serving and router containers."
@@ -773,6 +792,7 @@ class InferenceService(Resource):
             PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
             PrinterColumn("URL", "string", ".status.url", "Router URL", priority=1),
             PrinterColumn("Topology", "string", ".spec.accelerator.topology", "Topology of one replica", priority=1),
+            PrinterColumn("Runtime", "string", ".spec.engine.runtime", "Engine the replicas run", priority=1),
         ),
         scale=True,
         root_validations=(

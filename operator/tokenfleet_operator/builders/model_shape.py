@@ -15,6 +15,7 @@ from tokenfleet_operator.builders.inference_service import common_labels, model_
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
 from tokenfleet_operator.naming import ACCELERATOR_NODE_LABEL, ROLE_LABEL, child_metadata, revision_of
 from tokenfleet_operator.parallelism import parallel_sizes
+from tokenfleet_operator.runtimes import runtime_of
 from tokenfleet_operator.validation import runs_bundled_server
 
 ROLE = "model-shape"
@@ -40,7 +41,7 @@ def needs_model_shape(spec: InferenceServiceSpec) -> bool:
     budget_set = (eng.kv_cache_memory is not None or eng.kv_cache_mb is not None
                   or eng.accelerator_memory_utilization is not None or spec.accelerator.type != "cpu")
     checks_budget = eng.max_model_len is not None and budget_set
-    return (sizes.world > 1 or checks_budget) and runs_bundled_server(spec.image)
+    return (sizes.world > 1 or checks_budget) and runtime_of(spec).reads_model_shape and runs_bundled_server(spec.image)
 
 
 def model_shape_pod_name(service: str, spec: InferenceServiceSpec) -> str:

@@ -38,6 +38,8 @@ INVALID = [
     (isvc("svc", accelerator={"type": "nvidia-h100-80gb", "countPerHost": 0}), ["spec.accelerator.countPerHost"]),
     (with_engine(kvBlockSize=12), ["spec.engine.kvBlockSize", "Unsupported value"]),
     (with_engine(dtype="int4"), ["spec.engine.dtype"]),
+    # issue 32: sglang is a runtime to come, not one the operator builds yet
+    (with_engine(runtime="sglang"), ["spec.engine.runtime", "Unsupported value", '"tokenfleet"', '"vllm"']),
     (isvc("svc", routing={"policy": "random"}), ["spec.routing.policy"]),
     (isvc("svc", model={"servedModelNames": ["m"]}), ["spec.model", "exactly one of path, pvc or hostPath"]),
     (isvc("svc", model={"path": "/m", "pvc": {"claimName": "w"}, "servedModelNames": ["m"]}), ["exactly one of"]),
@@ -205,6 +207,7 @@ def test_valid_objects_are_accepted_and_defaulted(installed, namespace):
     import json
     svc = json.loads(installed.kubectl("get", "tfis", "svc", "-n", namespace, "-o", "json").stdout)
     assert svc["spec"]["engine"]["kvBlockSize"] == 16
+    assert svc["spec"]["engine"]["runtime"] == "tokenfleet"
     assert svc["spec"]["routing"]["policy"] == "prefix-aware"
     assert svc["spec"]["slicePolicy"]["restartPolicy"]["maxRestarts"] == 3
     assert svc["spec"]["warmRestart"] == {"enabled": False, "maxMegabytes": 256}
@@ -250,3 +253,18 @@ def test_applying_the_manifests_twice_changes_nothing(installed):
     assert all(line.endswith("serverside-applied") for line in out.strip().splitlines()), out
     diff = installed.kubectl("diff", "--server-side", "-k", base, check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def test_an_inference_service_keeps_its_runtime(installed, namespace):
+    # issue 32: one runtime per InferenceService; other engine fields still change as before
+    apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0", engine={"runtime": "vllm"}), namespace)
+    changed = apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0",
+                                    engine={"runtime": "vllm", "maxNumSeqs": 64}), namespace, check=False)
+    assert changed.returncode == 0, changed.stderr
+    out = apply(installed, isvc("engine", engine={"runtime": "tokenfleet"}), namespace, check=False)
+    assert out.returncode != 0
+    assert "spec.engine.runtime" in out.stderr and "cannot change" in out.stderr, out.stderr
+    untouched = isvc("plain")
+    apply(installed, untouched, namespace)
+    untouched["spec"]["engine"] = {"maxNumSeqs": 32}          # runtime defaulted before and after
+    assert apply(installed, untouched, namespace, check=False).returncode == 0

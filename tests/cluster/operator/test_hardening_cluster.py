@@ -98,7 +98,7 @@ def serving_isvc(name, model, **spec):
 def test_a_service_and_a_batch_slice_run_under_pod_security_restricted(cluster, namespace, pod_model, tmp_path):
     install(cluster)
     restricted(cluster, namespace)
-    op = Operator(cluster, namespace, tmp_path / "operator.log").start()
+    op = Operator(cluster, namespace, tmp_path / "operator.log", router_image=SERVING_IMAGE).start()
     try:
         cluster.kubectl("create", "secret", "generic", "client-keys", "-n", namespace, "--from-literal=alice=alice-key")
         apply(cluster, serving_isvc("svc", pod_model, auth={"clientKeysSecretName": "client-keys"}), namespace)

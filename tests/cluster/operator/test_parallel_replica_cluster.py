@@ -25,7 +25,7 @@ NAME = "tp"
 @pytest.fixture
 def operator(cluster, namespace, tmp_path):
     install(cluster)
-    op = Operator(cluster, namespace, tmp_path / "operator.log").start()
+    op = Operator(cluster, namespace, tmp_path / "operator.log", router_image=SERVING_IMAGE).start()
     yield op
     op.stop()
 

@@ -167,7 +167,8 @@ def test_every_panel_query_and_alert_signal_returns_data_on_a_live_fleet(cluster
     tag = f"m{uuid.uuid4().hex[:6]}"
     accel = f"mon-{tag}"
     nodes = cluster.add_nodes([NodePool(count=2, per_node=8, nodes_per_block=2, prefix=tag, accelerator_type=accel)])
-    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=(f"--allow-host-path={tiny_model}", f"--allow-host-path={tmp_path}"))
+    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=(f"--allow-host-path={tiny_model}", f"--allow-host-path={tmp_path}"),
+                  router_image="tokenfleet/serving:0.1.0")
     prom = discovery = load = None
     try:
         op_pod = _operator_pod(cluster, op.metrics_port)

@@ -123,7 +123,7 @@ def test_adapters_on_a_split_replica_are_refused_naming_the_field():
 
 
 def test_adapters_need_the_bundled_image():
-    spec = spec_with([{"name": "a", "path": "/opt/a"}], image="vllm/vllm-openai:v0.11.0")
+    spec = spec_with([{"name": "a", "path": "/opt/a"}], image="example.com/other-server:1")
     [problem] = check_inference_service(spec)
     assert (problem.reason, problem.field) == ("NotInServingImage", "spec.adapters")
 

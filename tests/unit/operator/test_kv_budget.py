@@ -157,3 +157,20 @@ def test_the_shipped_sample_fits_its_context_and_the_old_default_would_not():
     old = spec.model_copy(update={"engine": spec.engine.model_copy(update={"accelerator_memory_utilization": None,
                                                                               "kv_cache_mb": 512})})
     assert kv_budget_error(old, LLAMA3_8B) is not None
+
+
+def test_the_vllm_runtime_takes_the_budget_fields_as_vllms_flags_and_refuses_an_int8_kv_cache():
+    def vllm(**engine):
+        body = isvc_body(accelerator={"type": "nvidia-h100-80gb", "countPerHost": 1},
+                         image="vllm/vllm-openai:v0.11.0", engine={"runtime": "vllm", "dtype": "bfloat16", **engine})
+        return InferenceServiceSpec.model_validate(body["spec"])
+
+    args = engine_args(vllm(acceleratorMemoryUtilization=0.85, kvCacheDtype="fp8"), "/models")
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.85" and args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    args = engine_args(vllm(kvCacheMemory="20Gi"), "/models")
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(20 * GIB)
+    assert "--gpu-memory-utilization" not in engine_args(vllm(), "/models")      # vLLM's own default
+    assert any(p.field == "spec.engine.kvCacheDtype" for p in check_inference_service(vllm(kvCacheDtype="int8")))
+    both = vllm(acceleratorMemoryUtilization=0.8, extraArgs=["--gpu-memory-utilization", "0.9"])
+    assert any(p.reason == "ExtraArgsCollision" for p in check_inference_service(both))
+    assert check_inference_service(vllm(extraArgs=["--gpu-memory-utilization", "0.9"])) == []

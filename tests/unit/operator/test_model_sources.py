@@ -75,7 +75,7 @@ def first(field: str) -> str:
 
 
 def _spec(**overrides: Any) -> dict[str, Any]:
-    return isvc_body(image="vllm/vllm-openai:v0.11.0", **overrides)["spec"]
+    return isvc_body(image="example.com/other-server:1", **overrides)["spec"]
 
 
 def _draft(source: dict[str, Any]) -> dict[str, Any]:
