@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
+from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_kv_cache_dtype, parse_quantization
 from tokenfleet_serving.contract.termination import ArgumentParser
 from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 
@@ -63,6 +63,20 @@ def _quantization(text: str) -> str:
         return parse_quantization(text, "--quantization")
     except QuantizationError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
+
+
+def _kv_cache_dtype(text: str) -> str:
+    try:
+        return parse_kv_cache_dtype(text, "--kv-cache-dtype")
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-cache-dtype: ").removeprefix("--kv-cache-dtype ")) from e
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
 
 
 def _speculative_tokens(text: str) -> int:
@@ -126,7 +140,16 @@ class ServeArgs:
                                          help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     dtype: str = _flag("auto")
     device: str = _flag("auto")
-    kv_cache_mb: int = _flag(512, type=positive_int)
+    kv_cache_mb: int | None = _flag(type=positive_int, help="KV cache per rank in MiB (default 512, unless "
+                                    "--kv-cache-memory-bytes or --gpu-memory-utilization sizes it)")
+    kv_cache_memory_bytes: int | None = _flag(type=positive_int, help="KV cache per rank in bytes (vLLM's flag)")
+    gpu_memory_utilization: float | None = _flag(
+        type=_fraction,
+        help="size the KV cache per rank as this fraction of the accelerator's memory (on CPU: of the memory "
+             "limit) less the rank's weights and 1 GiB of headroom (vLLM's flag)")
+    accelerator_memory_bytes: int | None = _flag(
+        type=positive_int, help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization "
+                                "takes a fraction of (default: what the device or the cgroup reports)")
     block_size: int = _flag(16, type=positive_int)
     max_num_seqs: int = _flag(256, type=positive_int)
     max_num_batched_tokens: int = _flag(2048, type=positive_int)
@@ -135,6 +158,9 @@ class ServeArgs:
     num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
     quantization: str = _flag("none", type=_quantization,
                               help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
+    kv_cache_dtype: str = _flag("auto", type=_kv_cache_dtype,
+                                help="KV cache storage: auto (the compute dtype), or int8 (a bf16 scale per token "
+                                     "and KV head: about twice the tokens of bf16 in the same --kv-cache-mb)")
     speculative_method: str | None = _flag(
         choices=("ngram", "draft"),
         help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
@@ -236,7 +262,18 @@ class ServeArgs:
             return "--lora-modules needs --enable-lora"
         if self.lora_modules_file and not self.enable_lora:
             return "--lora-modules-file needs --enable-lora"
+        budgets = [f for f, v in (("--kv-cache-mb", self.kv_cache_mb), ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+                                  ("--gpu-memory-utilization", self.gpu_memory_utilization)) if v is not None]
+        if len(budgets) > 1:
+            return f"{' and '.join(budgets)} both size the KV cache: give one"
         return None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The explicit KV budget per rank (the default 512 MiB when none is given)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return (self.kv_cache_mb or 512) * 2**20
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from tokenfleet_operator.api.common import (
     DNS_LABEL_PATTERN,
     IMAGE_PATTERN,
     LABEL_KEY_PATTERN,
+    QUANTITY_PATTERN,
     RELATIVE_PATH_PATTERN,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
@@ -110,6 +111,12 @@ class AcceleratorSpec(AcceleratorBase):
         max_length=16,
         pattern=TOPOLOGY_PATTERN,
     )
+    memory_per_device: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, max_length=64,
+        description="Memory of one accelerator, e.g. 80Gi. Unset: the operator's table for the type (docs/operator.md: "
+        "nvidia-h100-80gb, nvidia-h200, nvidia-a100-40gb, nvidia-l4, tpu-v5e, ...); for a type not in it the server "
+        "reads the device. The KV-cache budget of engine.acceleratorMemoryUtilization is a fraction of it.",
+    )
 
 
 class SpeculativeDecoding(ApiModel):
@@ -158,6 +165,12 @@ class EngineSpec(ApiModel):
             field_path=".runtime",
         ),
         rule(
+            "[has(self.kvCacheMb), has(self.kvCacheMemory), has(self.acceleratorMemoryUtilization)]"
+            ".filter(x, x).size() <= 1",
+            "set at most one of kvCacheMemory, acceleratorMemoryUtilization and kvCacheMb: each sizes the KV cache",
+            field_path=".kvCacheMemory",
+        ),
+        rule(
             "self.quantization in ['none', 'int8'] || self.dtype != 'float32'",
             "quantized weights need dtype auto, float16 or bfloat16, not float32 (int8 takes any dtype)",
             field_path=".dtype",
@@ -186,7 +199,30 @@ class EngineSpec(ApiModel):
     kv_cache_mb: int | None = Field(
         default=None, description="Memory for the KV cache of each replica, in MiB (tokenfleet serve --kv-cache-mb); "
         "it bounds how many tokens of running requests and of cached prefixes a replica holds. Unset uses the "
-        "server's default (512).", ge=1, le=16777216,
+        "server's default (512). Prefer kvCacheMemory.", ge=1, le=16777216,
+    )
+    kv_cache_memory: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, max_length=64,
+        description="Memory for the KV cache of each rank (each accelerator; on CPU the replica's), e.g. 20Gi "
+        "(tokenfleet serve --kv-cache-memory-bytes, as vLLM's flag). At most one of kvCacheMemory, "
+        "acceleratorMemoryUtilization and kvCacheMb. Unset, with neither of the others: on an accelerator 0.9 of "
+        "its memory less the weights and 1 GiB of headroom (acceleratorMemoryUtilization 0.9); on CPU the same "
+        "fraction of resources.limits.memory when the replica has a memory limit, else the server's 512 MiB. A "
+        "maxModelLen whose context the budget cannot hold once is refused (reason KVCacheTooSmall).",
+    )
+    accelerator_memory_utilization: float | None = Field(
+        default=None,
+        description="Size the KV cache of each rank as this fraction of the accelerator's memory "
+        "(accelerator.memoryPerDevice, or the operator's table for accelerator.type; on CPU resources.limits.memory) "
+        "less the rank's weights and 1 GiB of headroom (tokenfleet serve --gpu-memory-utilization, vLLM's flag).",
+        gt=0, le=1,
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        default="auto",
+        description="Storage of the KV cache (tokenfleet serve --kv-cache-dtype, vLLM's flag). auto: the compute "
+        "dtype. int8: one bf16 scale per token and KV head, about half the bytes of bf16 (twice the tokens in one "
+        "budget) at a small cost in accuracy (docs/engine.md). fp8 is not implemented by the bundled serving image "
+        "(NotInServingImage); another image may.",
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
     quantization: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
@@ -587,6 +623,9 @@ class ModelShapeStatus(ApiModel):
     attention_heads: int = Field(description="Attention heads (num_attention_heads).", ge=0)
     key_value_heads: int = Field(description="Key/value heads (num_key_value_heads).", ge=0)
     intermediate_size: int = Field(description="Width of the MLP (intermediate_size).", ge=0)
+    head_dim: int | None = Field(default=None, description="Width of one attention head.", ge=0)
+    dtype_bytes: int | None = Field(default=None, description="Bytes per weight of the checkpoint's torch_dtype.", ge=0)
+    weight_bytes: int | None = Field(default=None, description="Bytes of the checkpoint's safetensors files.", ge=0)
 
 
 class CostStatus(ApiModel):

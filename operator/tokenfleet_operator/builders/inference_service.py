@@ -151,10 +151,14 @@ def launch(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> Launc
                   price_per_replica_hour=hourly_cost(spec, 1), rendezvous_port=RENDEZVOUS_PORT)
 
 
-def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0, with_extra_args: bool = True) -> list[str]:
     """Command line of the serving container, from the spec's runtime (``runtimes/``); ``member`` 0 is the
-    leader (the only member of a one-host replica), any other value stands for a headless member."""
-    return runtime_of(spec).command(spec, launch(spec, model_dir, member))
+    leader (the only member of a one-host replica), any other value stands for a headless member.
+    ``with_extra_args`` False leaves engine.extraArgs (which every runtime appends last) off the end: what the
+    operator itself sets."""
+    args = runtime_of(spec).command(spec, launch(spec, model_dir, member))
+    extra = len(spec.engine.extra_args or [])
+    return args[:-extra] if extra and not with_extra_args else args
 
 
 def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str,

@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.builders.adapters import lora_args
+from tokenfleet_operator.kv_budget import kv_budget
 from tokenfleet_operator.runtimes.base import (
     STARTUP_FAILURES,
     STARTUP_PERIOD_S,
@@ -74,8 +75,9 @@ class TokenfleetRuntime(Runtime):
             args += ["--max-model-len", str(eng.max_model_len)]
         if eng.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-        if eng.kv_cache_mb is not None:
-            args += ["--kv-cache-mb", str(eng.kv_cache_mb)]
+        args += list(kv_budget(spec).flags)
+        if eng.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", eng.kv_cache_dtype]
         if not eng.enable_prefix_caching:
             args.append("--no-prefix-caching")
         if eng.quantization != "none":

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from . import cpu_kernels
+from ..contract.levers import kv_bytes_per_token, parse_kv_cache_dtype
+from . import cpu_kernels, kv_quant
 from .batch import StepBatch
 from .config import ModelConfig
 from .distributed import ProcessGroup
@@ -27,13 +28,15 @@ from .model import LlamaForCausalLM, kv_heads_per_rank
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_model_len: int, use_kernels: bool = True, quantization: str = "none",
-                 group=None):
+                 group=None, kv_cache_dtype: str = "auto"):
         """``quantization`` 'int8': the decoder's linear weights in int8 (``quantization.py``), quantized here
         from ``weights`` as given (pass them in fp32, or the checkpoint's own dtype, to quantize from full
-        precision). ``group``: the tensor-parallel group (``distributed.py``); default: this process alone."""
+        precision). ``group``: the tensor-parallel group (``distributed.py``); default: this process alone.
+        ``kv_cache_dtype`` 'int8': the KV pool in int8 with a scale per token and KV head (``kv_quant.py``)."""
         if quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
         self.config, self.dtype, self.device, self.quantization = config, dtype, device, quantization
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         self.group = group or SingleRank()
         self.peers: ProcessGroup | None = group if isinstance(group, ProcessGroup) and group.size > 1 else None
         # compiled C kernels (GEMM, attention over the pool, one-pass norm/SwiGLU/RoPE/KV write), fp32 CPU
@@ -44,8 +47,10 @@ class ModelRunner:
                                       max_model_len, self.group)
         self.compiled_prefill = self.model.compiled_prefill
         self.kv_heads = kv_heads_per_rank(config, self.group.size)
-        self.kv_layers: list[torch.Tensor] = []     # per layer [2, kv_heads, num_blocks, block_size, head_dim]
-        self.kv_pool = torch.empty(0)
+        # per layer [2, kv_heads, num_blocks, block_size, head_dim] (int8: a QuantizedKV, with its scales)
+        self.kv_layers: list = []
+        self.kv_pool = torch.empty(0)               # every layer's values (int8: kv_scales holds the scales)
+        self.kv_scales: torch.Tensor | None = None  # int8: [layers, 2, kv_heads, num_blocks, block_size] bf16
         self.block_size = 0
         # every layer in one kernel call per step (built with the pool) where all its linears are packed;
         # ``use_decoder_call = False`` keeps the Python layer loop over the same kernels
@@ -71,17 +76,23 @@ class ModelRunner:
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block on this rank (its KV heads only)."""
         c = self.config
-        return block_size * 2 * c.num_layers * self.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        return block_size * kv_bytes_per_token(c.num_layers, self.kv_heads, c.head_dim,
+                                               torch.finfo(self.dtype).bits // 8, self.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate this rank's pool; returns its size in bytes."""
         c = self.config
         shape = (c.num_layers, 2, self.kv_heads, num_blocks, block_size, c.head_dim)
-        if self.device.type == "cpu":
-            pool = cpu_kernels.huge_page_zeros(shape, self.dtype)
+        if self.kv_cache_dtype == "int8":
+            pool, scales = kv_quant.allocate(*shape[:1], *shape[2:], self.device, cpu_kernels.huge_page_zeros)
+            self.kv_scales = scales
+            self.kv_layers = [kv_quant.QuantizedKV(pool[i], scales[i]) for i in range(c.num_layers)]
         else:
-            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_layers = [pool[i] for i in range(c.num_layers)]
+            if self.device.type == "cpu":
+                pool = cpu_kernels.huge_page_zeros(shape, self.dtype)
+            else:
+                pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_layers = [pool[i] for i in range(c.num_layers)]
         self.block_size = block_size
         self.kv_pool = pool
         self.decoder_call = None
@@ -96,7 +107,12 @@ class ModelRunner:
             self.decoder_call = cpu_kernels.DecoderLayers(self.kernels, weights, self.kv_layers, rotary.cos,
                                                           rotary.sin, self.config.num_heads, self.config.rms_norm_eps,
                                                           self.config.head_dim ** -0.5, Linear.PIECE)
-        return pool.numel() * pool.element_size()
+        return self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's pool (values and, with int8, scales)."""
+        scales = 0 if self.kv_scales is None else self.kv_scales.numel() * self.kv_scales.element_size()
+        return self.kv_pool.numel() * self.kv_pool.element_size() + scales
 
     # ---- forward -------------------------------------------------------
     @torch.inference_mode()

@@ -91,10 +91,12 @@ def config_from_args(args: ServeArgs):
         raise ValueError("--prefix-checkpoint-dir (warm restart) is not implemented with --tensor-parallel-size > 1 "
                          "yet: each rank holds part of every KV block")
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
+                          kv_cache_bytes=args.kv_cache_bytes, memory_utilization=args.gpu_memory_utilization,
+                          device_memory_bytes=args.accelerator_memory_bytes,
+                          max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
-                          quantization=args.quantization, speculative=speculative_config(args),
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
                           load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
                           model_revision=args.model_revision, lora=lora_config(args),
                           served_model_names=args.served_model_name or (),

@@ -56,8 +56,7 @@ class PrefixCheckpointer:
         self.engine = engine
         self.identity = engine_identity(engine, config.revision)
         self.path = Path(config.directory) / f"{config.name}{SUFFIX}"
-        pool = engine.runner.kv_pool
-        bytes_per_block = pool[:, :, :, 0].numel() * pool.element_size()
+        bytes_per_block = engine.runner.kv_block_bytes(engine.kv.block_size)
         self.max_blocks = max(1, config.max_bytes // bytes_per_block)
         self._last_saved: tuple[bytes, ...] | None = None
         self._lock = asyncio.Lock()
