@@ -148,6 +148,29 @@ class ProcessGroup:
         self._run("all-reduce", dist.all_reduce, x)
         return x
 
+    @property
+    def kernel_comm(self):
+        """The shared-memory channel as the compiled kernels take it (``cpu_kernels.Comm``), or None."""
+        return self.shm.comm if self.shm is not None else None
+
+    def run_kernels(self, fn, *args):
+        """Call ``fn`` (a compiled call that sums across the ranks through ``kernel_comm``): its time in those
+        sums counts as collective time, and a failed sum breaks the group (RankFailure)."""
+        from .cpu_kernels import CommFailure
+
+        if self.broken is not None:
+            raise self.broken
+        comm = self.kernel_comm
+        before = comm.seconds if comm is not None else 0.0
+        try:
+            return fn(*args)
+        except CommFailure as e:
+            assert self.shm is not None
+            raise self._failed("all-reduce", self.shm.failure(e)) from e
+        finally:
+            if comm is not None:
+                self.collective_seconds += comm.seconds - before
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
         if self.shm is not None:

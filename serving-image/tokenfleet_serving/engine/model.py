@@ -123,6 +123,13 @@ class LlamaDecoderLayer(nn.Module):
         return {"qkv": self.self_attn.qkv_proj.matmul, "o": self.self_attn.o_proj.matmul,
                 "gate_up": self.mlp.gate_up_proj.matmul, "down": self.mlp.down_proj.matmul}
 
+    def biases(self) -> dict:
+        """The biases of ``linears()`` by the one-call decoder's names: the row-parallel ones as added after the
+        sum across ranks (with one rank, inside their matmul)."""
+        rows = {"o": self.self_attn.o_proj, "down": self.mlp.down_proj}
+        return {n + "_bias": (rows[n].bias if n in rows and rows[n].bias is not None else m.bias)
+                for n, m in self.linears().items()}
+
     def forward(self, x: torch.Tensor, kv: torch.Tensor, batch: StepBatch, keep_rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``x`` [T, hidden] through the layer, updated in place; with ``keep_rows`` only those rows go on past

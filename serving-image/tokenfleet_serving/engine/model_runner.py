@@ -86,16 +86,19 @@ class ModelRunner:
         self.kv_pool = pool
         self.decoder_call = None
         linears = [layer.linears() for layer in self.model.decoders]
-        if (self.group.size == 1 and self.kernels is not None and self.compiled_prefill
+        # with more ranks the call sums across them itself, over the shared-memory channel (when there is one)
+        comm = self.peers.kernel_comm if self.peers is not None else None
+        if ((self.group.size == 1 or comm is not None) and self.kernels is not None and self.compiled_prefill
                 and all(m.panels is not None and not getattr(m, "padded", False) for ls in linears for m in ls.values())):
             weights = [dict(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                            **{n: m.panels for n, m in ls.items()}, **{n + "_bias": m.bias for n, m in ls.items()},
+                            **{n: m.panels for n, m in ls.items()}, **layer.biases(),
                             **{n + "_scale": getattr(m, "scales", None) for n, m in ls.items()})
                        for layer, ls in zip(self.model.decoders, linears)]
             rotary = self.model.rotary
             self.decoder_call = cpu_kernels.DecoderLayers(self.kernels, weights, self.kv_layers, rotary.cos,
-                                                          rotary.sin, self.config.num_heads, self.config.rms_norm_eps,
-                                                          self.config.head_dim ** -0.5, Linear.PIECE)
+                                                          rotary.sin, self.config.num_heads // self.group.size,
+                                                          self.config.rms_norm_eps, self.config.head_dim ** -0.5,
+                                                          Linear.PIECE, comm)
         return pool.numel() * pool.element_size()
 
     # ---- forward -------------------------------------------------------
@@ -121,7 +124,8 @@ class ModelRunner:
         keep = batch.logits_rows if trim else None
         if (self.decoder_call is not None and self.use_decoder_call and not batch.long_spans and batch.lora is None
                 and all(grp.q_len == 1 for grp in batch.groups)):
-            x = self.decoder_call(x, batch, keep)
+            x = (self.decoder_call(x, batch, keep) if self.peers is None
+                 else self.peers.run_kernels(self.decoder_call, x, batch, keep))
         else:
             x = self.model.decoder_layers(x, self.kv_layers, batch, keep)
         if not all_logits and not trim:
