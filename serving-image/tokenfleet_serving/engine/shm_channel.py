@@ -196,6 +196,32 @@ class ShmChannel:
                     parts[r][start:start + n].copy_(self._slot(p, r, n))
         return None if parts is None else [part.view(x.dtype).view(x.shape) for part in parts]
 
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's ``x`` [rows, n] (same shape and dtype on every rank) side by side,
+        [rows, size * n]; the others get None. Each round carries as many whole rows as fit a slot; rank 0 copies
+        the slots straight into their columns (and its own part from ``x``)."""
+        rows, n = x.shape
+        row_bytes = n * x.element_size()
+        if row_bytes > self.slot_bytes:
+            parts = self.gather(x)
+            return None if parts is None else torch.cat(parts, dim=1)
+        x = x.contiguous()
+        out = torch.empty(rows, self.size * n, dtype=x.dtype) if self.rank == 0 else None
+        everyone = range(self.size)
+        per_round = self.slot_bytes // row_bytes
+        for r0 in range(0, rows, per_round):
+            piece = x[r0:r0 + per_round]
+            k = piece.shape[0]
+            p = (self.round + 1) % 2
+            if out is None:
+                self._slot(p, self.rank, k * row_bytes).view(x.dtype).view(k, n).copy_(piece)
+            self._publish_and_wait(everyone)
+            if out is not None:
+                out[r0:r0 + k, :n].copy_(piece)
+                for r in range(1, self.size):
+                    out[r0:r0 + k, r * n:(r + 1) * n].copy_(self._slot(p, r, k * row_bytes).view(x.dtype).view(k, n))
+        return out
+
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0 sends ``data``; every rank returns it. The first round carries the length (8 bytes) and as much
         of the data as fits after it."""
