@@ -4,10 +4,11 @@ Rank 0 (the engine's) calls ``forward`` with each step's batch; in a tensor-para
 batch to the other ranks (``distributed.py``), which run ``follow``: receive a batch, run the same forward
 pass over their shards, repeat until told to stop. Only rank 0 gets logits.
 
-On CPU in fp32, where every linear is packed for the compiled GEMM, a single rank runs every decoder layer in
-one kernel call per step (``cpu_kernels.DecoderLayers``: the same kernels in the same order, so the same bits
-as the Python layer loop); with more than one rank the layers run one by one, with a sum across ranks after
-each row-parallel matmul.
+On CPU in fp32, where every linear is packed for the compiled GEMM, a rank runs every decoder layer in one
+kernel call per step (``cpu_kernels.DecoderLayers``: the same kernels in the same order, so the same bits as
+the Python layer loop). With more ranks on one host the call sums each row-parallel matmul across them over
+the group's shared-memory channel; without that channel (gloo or NCCL) the layers run one by one from Python,
+with a collective after each row-parallel matmul.
 """
 from __future__ import annotations
 
