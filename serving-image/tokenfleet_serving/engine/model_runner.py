@@ -53,8 +53,11 @@ class ModelRunner:
         self.decoder_call: cpu_kernels.DecoderLayers | None = None
         self.use_decoder_call = True
         self.forward_seconds = self.last_forward_seconds = 0.0   # time in forward passes, and steps run
-
         self.steps = 0
+        # rank 0 of a group: time in collectives during decode-only steps (every row a one-token decode), and
+        # those steps (bench parallel's collective time per decode step)
+        self.decode_collective_seconds = 0.0
+        self.decode_steps = 0
 
     @property
     def layers(self):
@@ -107,12 +110,16 @@ class ModelRunner:
     def forward(self, batch: StepBatch, all_logits: bool = False) -> torch.Tensor:
         """Run one step; returns fp32 logits for ``batch.logits_rows`` (or every row)."""
         started = time.perf_counter()
+        collectives = self.peers.collective_seconds if self.peers is not None else 0.0
         if self.peers is not None:
             self.peers.broadcast(("forward", batch, all_logits))
         logits = self.run(batch, all_logits)
         self.last_forward_seconds = time.perf_counter() - started
         self.forward_seconds += self.last_forward_seconds
         self.steps += 1
+        if self.peers is not None and batch.input_ids.shape[0] == len(batch.sample_order):   # decodes only
+            self.decode_collective_seconds += self.peers.collective_seconds - collectives
+            self.decode_steps += 1
         assert logits is not None
         return logits
 
