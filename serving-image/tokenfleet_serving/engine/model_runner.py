@@ -92,6 +92,14 @@ class ModelRunner:
         linears = [layer.linears() for layer in self.model.decoders]
         # with more ranks the call sums across them itself, over the shared-memory channel (when there is one)
         comm = self.peers.kernel_comm if self.peers is not None else None
+        piece = Linear.PIECE
+        if comm is not None:
+            # MLP pieces of at most a slot's rows, so the row-parallel GEMMs write their parts straight into the
+            # rank's slot (a GEMM row does not depend on the rows beside it: the same bits). The layer loop takes
+            # the same pieces, so both paths make the same rounds in the same order.
+            piece = max(1, min(Linear.PIECE, comm.slot_bytes // (4 * c.hidden_size)))
+            for layer in self.model.decoders:
+                layer.piece_rows = piece
         if ((self.group.size == 1 or comm is not None) and self.kernels is not None and self.compiled_prefill
                 and all(m.panels is not None and not getattr(m, "padded", False) for ls in linears for m in ls.values())):
             weights = [dict(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
@@ -102,7 +110,7 @@ class ModelRunner:
             self.decoder_call = cpu_kernels.DecoderLayers(self.kernels, weights, self.kv_layers, rotary.cos,
                                                           rotary.sin, self.config.num_heads // self.group.size,
                                                           self.config.rms_norm_eps, self.config.head_dim ** -0.5,
-                                                          Linear.PIECE, comm)
+                                                          piece, comm)
         return pool.numel() * pool.element_size()
 
     # ---- forward -------------------------------------------------------
