@@ -144,7 +144,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                                          _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR]
     lib.tf_decoder_layers.restype = ctypes.c_int
-    lib.tf_decoder_layers.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]
+    lib.tf_decoder_layers.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.tf_comm_sum.restype = ctypes.c_int
+    lib.tf_comm_sum.argtypes = [_PTR, _PTR, _PTR, _I64]
     return lib
 
 
@@ -477,6 +479,33 @@ class _Step(ctypes.Structure):
                 + [("prefill", _Chunks), ("sampled", _Chunks)])
 
 
+class Comm(ctypes.Structure):
+    """struct tf_comm: a rank's view of a shared-memory channel (``shm_channel.py`` fills it in)."""
+    _fields_ = (_fields(_I64, "rank size slot_bytes") + _fields(_PTR, "header slots round pids")
+                + [("timeout_s", ctypes.c_double), ("seconds", ctypes.c_double), ("failed_rank", _I64)])
+
+
+COMM_PEER_EXITED, COMM_PEER_LATE = -3, -4      # tf_comm_sum's and tf_decoder_layers' failed waits
+
+
+class CommFailure(RuntimeError):
+    """A sum across ranks inside a kernel failed: ``code`` (COMM_PEER_EXITED or COMM_PEER_LATE) for
+    ``comm.failed_rank``."""
+
+    def __init__(self, code: int, rank: int):
+        super().__init__(f"sum across ranks failed ({code}) waiting for rank {rank}")
+        self.code, self.rank = code, rank
+
+
+def comm_sum_(lib: ctypes.CDLL, comm: Comm, x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` (contiguous fp32, CPU) over the channel's ranks, in place."""
+    _require(x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu", "contiguous fp32 CPU rows")
+    rc = lib.tf_comm_sum(ctypes.byref(comm), x.data_ptr(), x.data_ptr(), x.numel())
+    if rc:
+        raise CommFailure(rc, comm.failed_rank)
+    return x
+
+
 class _Shape(ctypes.Structure):
     _fields_ = (_fields(_I64, "hidden heads kv_heads head_dim inter num_blocks block_size piece")
                 + _fields(_F32, "eps scale") + _fields(_PTR, "cos sin"))
@@ -505,10 +534,15 @@ class DecoderLayers:
     (packed panels) and ``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
     [2, kv_heads, blocks, block_size, head_dim] slice of the pool (fp32, or an int8 ``kv_quant.QuantizedKV``);
     ``cos`` / ``sin`` as ``rope_`` takes them.
-    Int8 weights (``pack_weight_int8``) come with their scales as ``qkv_scale``, ... (absent or None: fp32)."""
+    Int8 weights (``pack_weight_int8``) come with their scales as ``qkv_scale``, ... (absent or None: fp32).
+
+    Tensor parallelism: ``heads`` and the weights are this rank's, and ``comm`` (this rank's shared-memory
+    channel) sums the ``o`` and ``down`` outputs across the ranks before their biases (``o_bias``,
+    ``down_bias``: the row-parallel layers' biases, added once after the sum), as the layer loop does; a
+    failed wait raises ``CommFailure``."""
 
     def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list, cos: torch.Tensor,
-                 sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int):
+                 sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int, comm: Comm | None = None):
         from .kv_quant import QuantizedKV
         scales = [kv.scales if isinstance(kv, QuantizedKV) else None for kv in kv_layers]
         kv_layers = [kv.data if isinstance(kv, QuantizedKV) else kv for kv in kv_layers]
@@ -534,6 +568,7 @@ class DecoderLayers:
         ptr = lambda t: None if t is None else t.data_ptr()
         self.lib, self.cos_rows, self.slots_per_head = lib, cos.shape[0], num_blocks * block_size
         self.kept = (layers, kv_layers, scales, cos, sin)   # the structs point into these
+        self.comm = comm
         self.layers = (_Layer * len(layers))(*[
             _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                                                   "gate_up_bias", "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr(),
@@ -585,7 +620,11 @@ class DecoderLayers:
             at += n
         # (runs, sampled_runs: the run tables the structs point to, alive until the call returns)
         rc = self.lib.tf_decoder_layers(ctypes.byref(sh), self.layers, len(self.layers), ctypes.byref(step),
-                                        x.data_ptr(), ctypes.byref(_Buffers(*parts)))
+                                        x.data_ptr(), ctypes.byref(_Buffers(*parts)),
+                                        None if self.comm is None else ctypes.byref(self.comm))
+        if rc in (COMM_PEER_EXITED, COMM_PEER_LATE):
+            assert self.comm is not None
+            raise CommFailure(rc, self.comm.failed_rank)
         if rc != 0:
             raise MemoryError("the decoder layers could not allocate their buffers")
         return x[:step.keep]

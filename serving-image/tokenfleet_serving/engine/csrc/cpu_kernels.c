@@ -3,10 +3,16 @@
  * Parallel loops use OpenMP; cpu_kernels.py loads this library after torch, so the OpenMP runtime is the
  * one torch already has and the kernels run on torch's threads.
  */
+#define _GNU_SOURCE             /* clock_gettime, nanosleep, sched_yield, open/read for the channel's waits */
+#include <fcntl.h>
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -1247,6 +1253,130 @@ static void add_rows(float *x, const float *delta, int64_t rows, int64_t dim, in
     }
 }
 
+/* ---- Sums across the ranks of one host over shared memory ------------------------------------------------------
+ *
+ * The same protocol as shm_channel.py (which owns the segment and shares the round counter with this code):
+ * a header of one 64-byte line per rank (its published round, its pid), then per parity and rank one slot of
+ * slot_bytes. A round s: write this rank's part into its slot s % 2, publish seq = s, wait until every rank's
+ * seq >= s, read. The sum adds the slots in rank order, as shm_channel.py does, so every rank (and the
+ * Python loop) holds the same bits.
+ *
+ * A wait spins (the ranks of a step arrive within microseconds of each other), then yields, then naps; every
+ * 5 ms it checks that the ranks it waits for are live processes and that timeout_s has not passed. On
+ * failure it returns -3 (a rank exited) or -4 (a rank is late), with that rank in failed_rank. */
+struct tf_comm {
+    int64_t rank, size, slot_bytes;
+    int64_t *header;                /* size lines of 8 int64: [0] the published round, [1] the pid */
+    char *slots;                    /* [2][size][slot_bytes] */
+    int64_t *round;                 /* this rank's last round (process memory, shared with shm_channel.py) */
+    const int64_t *pids;            /* every rank's pid, as this rank recorded them once all had attached */
+    double timeout_s;
+    double seconds;                 /* out: time spent in sums, waits included (added up) */
+    int64_t failed_rank;            /* out: the rank a failed wait was for */
+};
+
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int pid_alive(int64_t pid)     /* a process that exists and is not a zombie */
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    const int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    const ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')');        /* the name may hold spaces and parentheses; the state follows */
+    if (!end || end[1] != ' ') return 0;
+    return end[2] != 'Z' && end[2] != 'X';
+}
+
+static inline int64_t seq_of(const struct tf_comm *c, int64_t r)
+{
+    return __atomic_load_n(c->header + r * 8, __ATOMIC_ACQUIRE);
+}
+
+/* Publish the next round and wait for every rank to publish it; returns 0 or -3 / -4. */
+static int comm_round(struct tf_comm *c)
+{
+    const int64_t s = ++*c->round;
+    __atomic_store_n(c->header + c->rank * 8, s, __ATOMIC_RELEASE);
+    double started = 0, next_check = 0;
+    for (int64_t spins = 0;; spins++) {
+        int64_t late = -1;
+        for (int64_t r = 0; r < c->size && late < 0; r++)
+            if (seq_of(c, r) < s) late = r;
+        if (late < 0) return 0;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        if (spins < 4096) continue;
+        const double now = now_seconds();
+        if (!started) started = now, next_check = now + 0.005;
+        const double waited = now - started;
+        if (waited < 0.02) {
+            sched_yield();
+        } else {
+            const struct timespec nap = {0, waited < 1 ? 200000 : 2000000};
+            nanosleep(&nap, NULL);
+        }
+        if (now >= next_check) {
+            next_check = now + 0.005;
+            for (int64_t r = 0; r < c->size; r++)
+                if (seq_of(c, r) < s && !pid_alive(c->pids[r])) {
+                    c->failed_rank = r;
+                    return -3;
+                }
+            if (waited > c->timeout_s) {
+                c->failed_rank = late;
+                return -4;
+            }
+        }
+    }
+}
+
+/* Where this rank's part of a sum of n floats can be written for the next round: its slot, when the part fits
+ * (then tf_comm_sum skips a copy), else `fallback`. */
+static float *comm_target(const struct tf_comm *c, int64_t n, float *fallback)
+{
+    if (!c || n * (int64_t)sizeof(float) > c->slot_bytes) return fallback;
+    return (float *)(c->slots + ((*c->round + 1) % 2 * c->size + c->rank) * c->slot_bytes);
+}
+
+/* out[0..n) = the sum over the ranks of each one's x[0..n) (x may be this rank's slot, from comm_target; out
+ * may be x). Returns 0 or the failed wait's code. */
+int tf_comm_sum(struct tf_comm *c, const float *x, float *out, int64_t n)
+{
+    const double started = now_seconds();
+    const int64_t step = c->slot_bytes / (int64_t)sizeof(float);
+    int rc = 0;
+    for (int64_t at = 0; at < n && !rc; at += step) {
+        const int64_t m = n - at < step ? n - at : step;
+        const int64_t parity = (*c->round + 1) % 2;
+        float *mine = (float *)(c->slots + (parity * c->size + c->rank) * c->slot_bytes);
+        if (x + at != mine) memcpy(mine, x + at, sizeof(float) * m);
+        if ((rc = comm_round(c))) break;
+        const float *a = (const float *)(c->slots + parity * c->size * c->slot_bytes);
+        const float *b = (const float *)((const char *)a + c->slot_bytes);
+        float *o = out + at;
+#pragma omp parallel for if (m >= 262144)
+        for (int64_t i = 0; i < m; i++) o[i] = a[i] + b[i];
+        for (int64_t r = 2; r < c->size; r++) {
+            const float *q = (const float *)((const char *)a + r * c->slot_bytes);
+#pragma omp parallel for if (m >= 262144)
+            for (int64_t i = 0; i < m; i++) o[i] += q[i];
+        }
+    }
+    c->seconds += now_seconds() - started;
+    return rc;
+}
+
 static int gemm_bias(const float *x, int64_t m, int64_t k, const float *panels, const float *scale,
                      const float *bias, int64_t n, float *y, float *scratch)
 {
@@ -1276,9 +1406,23 @@ static int attend(const struct tf_shape *d, const struct tf_layer *L, const stru
     return 0;
 }
 
-/* Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory. */
+/* A row-parallel matmul's output: y = x W^T, summed over the ranks when `comm` is given (tensor parallelism:
+ * each rank holds some input columns of W), then + bias (once), into out. With one rank it is gemm_bias. */
+static int gemm_sum_bias(struct tf_comm *comm, const float *x, int64_t m, int64_t k, const float *panels,
+                         const float *scale, const float *bias, int64_t n, float *out, float *scratch)
+{
+    if (!comm) return gemm_bias(x, m, k, panels, scale, bias, n, out, scratch);
+    float *y = comm_target(comm, m * n, out);     /* straight into this rank's slot when it fits */
+    int rc = gemm_bias(x, m, k, panels, scale, NULL, n, y, scratch);
+    if (!rc) rc = tf_comm_sum(comm, y, out, m * n);
+    if (!rc && bias) add_rows(out, bias, m, n, 0);
+    return rc;
+}
+
+/* Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory, -3 / -4 when a sum across the ranks
+ * failed (`comm`: this rank's channel under tensor parallelism, else NULL; see tf_comm_sum). */
 int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, int64_t num_layers,
-                      const struct tf_step *s, float *x, const struct tf_buffers *b)
+                      const struct tf_step *s, float *x, const struct tf_buffers *b, struct tf_comm *comm)
 {
     const int64_t D = d->hidden, hd = d->head_dim, I = d->inter, qn = d->heads * hd, kvn = d->kv_heads * hd;
     const int64_t width = qn + 2 * kvn;
@@ -1308,12 +1452,16 @@ int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, i
         for (int64_t r0 = 0; r0 < rows; r0 += d->piece) {   /* row pieces bound the MLP's wide intermediates */
             const int64_t p = rows - r0 < d->piece ? rows - r0 : d->piece;
             float *xr = x + r0 * D;
-            if ((rc = gemm_bias(b->attn + r0 * qn, p, qn, L->o, L->o_scale, L->o_bias, D, b->delta, b->gemm))) return rc;
+            if ((rc = gemm_sum_bias(comm, b->attn + r0 * qn, p, qn, L->o, L->o_scale, L->o_bias, D, b->delta,
+                                  b->gemm)))
+                return rc;
             tf_rms_norm(xr, D, b->delta, D, L->ln2, b->h, D, p, D, d->eps);     /* x += o(attn) first */
             if ((rc = gemm_bias(b->h, p, D, L->gate_up, L->gate_up_scale, L->gate_up_bias, 2 * I, b->gate_up, b->gemm)))
                 return rc;
             tf_silu_mul(b->gate_up, p, I, b->act);
-            if ((rc = gemm_bias(b->act, p, I, L->down, L->down_scale, L->down_bias, D, b->delta, b->gemm))) return rc;
+            if ((rc = gemm_sum_bias(comm, b->act, p, I, L->down, L->down_scale, L->down_bias, D, b->delta,
+                                  b->gemm)))
+                return rc;
             add_rows(xr, b->delta, p, D, D);
         }
     }
