@@ -75,7 +75,7 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
     block_bytes = runner.kv_block_bytes(setup.block_size)
     budget = setup.kv_cache_bytes
     if setup.memory_utilization is not None:
-        memory = setup.device_memory_bytes or device_memory_bytes(device)
+        memory = usable_memory_bytes(device, setup.device_memory_bytes)
         budget = budget_from_memory(memory, setup.memory_utilization, runner.weight_bytes())
         log.info("KV cache budget %d MiB: %.2f of %d MiB, less %d MiB of weights and %d MiB of headroom",
                  budget >> 20, setup.memory_utilization, memory >> 20, runner.weight_bytes() >> 20, HEADROOM_BYTES >> 20)
@@ -91,6 +91,21 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
         raise ValueError(f"kv_cache_bytes={budget} is smaller than one KV block ({block_bytes} bytes)")
     pool_bytes = runner.allocate_kv_cache(num_blocks, setup.block_size)
     return LoadedRank(runner, config, tokenizer, max_len, num_blocks, pool_bytes)
+
+
+def usable_memory_bytes(device: torch.device, stated: int | None) -> int:
+    """The memory ``--gpu-memory-utilization`` takes its fraction of: the stated accelerator memory
+    (``--accelerator-memory-bytes``), else the device's. A rank that runs on the CPU never counts on more than
+    the container's memory limit (or the host's memory): an accelerator pod scheduled onto a node that only
+    pretends to have the device (KWOK, the local pod runner) would otherwise size its KV cache from 80 GiB."""
+    measured = device_memory_bytes(device)
+    if stated is None:
+        return measured
+    if device.type == "cpu" and stated > measured:
+        log.info("--accelerator-memory-bytes %d MiB is more than this CPU rank may use; sizing from its %d MiB",
+                 stated >> 20, measured >> 20)
+        return measured
+    return stated
 
 
 def device_memory_bytes(device: torch.device) -> int:

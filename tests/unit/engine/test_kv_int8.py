@@ -321,6 +321,18 @@ def test_the_budget_from_memory_utilization_is_that_fraction_less_weights_and_he
         _engine(model, memory_utilization=0.3, device_memory_bytes=3 << 30)
 
 
+def test_a_cpu_rank_never_sizes_from_more_memory_than_it_has():
+    # an accelerator pod on a node that only pretends to hold the device (KWOK) runs on the CPU: the stated
+    # 80 GiB of an H100 must not become an 72 GiB KV pool on a smaller machine
+    from tokenfleet_serving.engine.worker import device_memory_bytes, usable_memory_bytes
+
+    cpu = torch.device("cpu")
+    have = device_memory_bytes(cpu)
+    assert usable_memory_bytes(cpu, None) == have
+    assert usable_memory_bytes(cpu, have * 4) == have
+    assert usable_memory_bytes(cpu, 1 << 30) == min(1 << 30, have)
+
+
 def test_a_max_model_len_the_pool_cannot_hold_once_is_refused_at_start_naming_the_fields(checkpoints):
     model = checkpoints["llama"]
     block = _engine(model, kv_cache_bytes=1 << 16).runner.kv_block_bytes(4)
