@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import socket
 import sys
 
@@ -49,6 +50,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "hostpath:// checkpoint stores) only at PREFIX or "
                          "below it (repeatable; default: none, such objects are refused with HostPathNotAllowed). "
                          "A cluster administrator's opt-in: a host path reaches into the node")
+    ap.add_argument("--router-image", default=None, metavar="IMAGE",
+                    help="image of every InferenceService's router Deployment, whatever its replicas run "
+                         "(default: the bundled serving image, tokenfleet/serving at this version)")
     ap.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
     from tokenfleet_operator.policy import OperatorPolicy
@@ -59,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("resync_seconds", "replica_key_check_seconds", "schedule_interval_seconds", "collect_seconds", "lease_seconds"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    from tokenfleet_operator.api.common import IMAGE_PATTERN
+    from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE
+    args.router_image = args.router_image or DEFAULT_IMAGE
+    if not re.match(IMAGE_PATTERN, args.router_image):
+        ap.error(f"--router-image {args.router_image!r} is not an image reference")
     if args.workers < 1:
         ap.error("--workers must be at least 1")
     if args.gang_write_concurrency < 1:
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenfleet_operator.reconcile.inference_service import reconcile_inference_service
     from tokenfleet_operator.reconcile.replica_key import ReplicaKeys
     from tokenfleet_operator.reconcile.slice import reconcile_slice
+    from tokenfleet_operator.reconcile.token_route import reconcile_token_route
 
     kopf.configure(verbose=args.verbose)  # sets up logging for Kopf and for our loggers
     log = logging.getLogger("tokenfleet")
@@ -103,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     reconcilers = {
         "InferenceService": functools.partial(reconcile_inference_service, policy=args.policy,
                                               keys=ReplicaKeys(check_seconds=args.replica_key_check_seconds),
-                                              operator_namespace=args.lease_namespace),
+                                              operator_namespace=args.lease_namespace,
+                                              router_image=args.router_image),
         "Slice": functools.partial(reconcile_slice, policy=args.policy),
+        "TokenRoute": functools.partial(reconcile_token_route, router_image=args.router_image),
     }
     if args.policy.host_path_prefixes:
         log.info("host paths allowed under: %s", ", ".join(args.policy.host_path_prefixes))

@@ -30,7 +30,8 @@ def free_port() -> int:
 def install(cluster) -> None:
     """Apply CRDs, namespace, ServiceAccount and RBAC from manifests/ (as admin)."""
     cluster.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "base"))
-    for crd in ("inferenceservices.tokenfleet.dev", "slices.tokenfleet.dev", "slicequeues.tokenfleet.dev"):
+    for crd in ("inferenceservices.tokenfleet.dev", "slices.tokenfleet.dev", "slicequeues.tokenfleet.dev",
+                "tokenroutes.tokenfleet.dev"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 
 
@@ -38,11 +39,16 @@ class Operator:
     """`tokenfleet operator` as a child process, authenticated as the operator's ServiceAccount."""
 
     def __init__(self, cluster, namespace: str, log_path: Path, *, identity: str = "op-a",
-                 lease: str | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
+                 lease: str | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 router_image: str = FAKE_IMAGE):
         """``lease``: the leader Lease's name (default: one per test namespace, so tests never compete);
-        replicas given the same lease elect one leader. ``env``: added to the process's environment."""
+        replicas given the same lease elect one leader. ``env``: added to the process's environment.
+        ``router_image``: the routers' image (``--router-image``); by default one KWOK fakes Ready, as it does
+        the services' FAKE_IMAGE replicas; a test whose requests go through a router passes the serving image,
+        whose pods the local pod runner runs as ``tokenfleet route`` processes."""
         self.cluster, self.namespace, self.log_path = cluster, namespace, log_path
         self.env = env or {}
+        self.router_image = router_image
         self.identity, self.lease, self.extra = identity, lease or f"tokenfleet-operator-{namespace}", extra
         self.kubeconfig = cluster.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA)
         self.proc: subprocess.Popen | None = None
@@ -58,7 +64,7 @@ class Operator:
              f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}",
              "--resync-seconds=3", "--replica-key-check-seconds=3",
              f"--identity={self.identity}", f"--lease-name={self.lease}", f"--lease-namespace={OPERATOR_NAMESPACE}",
-             *self.extra],
+             f"--router-image={self.router_image}", *self.extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
         )
         return self

@@ -587,8 +587,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = {"KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1", "KUBERNETES_SERVICE_HOST": ""}
         if args.operator_source:
             env["PYTHONPATH"] = os.pathsep.join(str(source / d) for d in ("operator", "dev", "serving-image"))
+        # the routers, like the replicas, are pods KWOK fakes (an operator older than --router-image ran them
+        # from the service's image, FAKE_IMAGE)
+        takes_router_image = "--router-image" in (source / "operator" / "tokenfleet_operator" / "main.py").read_text()
         cmd = [sys.executable, "-m", "tokenfleet_cli", "operator", "-n", NAMESPACE,
-               f"--metrics-port={port}", "--health-port=0", *args.operator_arg]
+               f"--metrics-port={port}", "--health-port=0",
+               *([f"--router-image={FAKE_IMAGE}"] if takes_router_image else []), *args.operator_arg]
         pid = plane.start_process("operator", cmd, env=env)
         _log(f"operator pid {pid}: {' '.join(cmd[1:])} (log: {plane.dir / 'logs' / 'operator.log'})")
         _wait_metrics(port, lambda: pid_alive(pid))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_operator.api import GROUP
-from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.naming import MANAGED_BY, MANAGED_BY_LABEL, ROLE_LABEL, SERVICE_LABEL, SERVING_PORT, child_metadata
 
 REPLICA_KEY_ENV = "TOKENFLEET_API_KEY"          # read by tokenfleet serve (--api-key) and route (--backend-api-key)
@@ -42,10 +42,12 @@ OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "tokenfleet", "app.kubernetes.i
 @dataclass(frozen=True)
 class Wiring:
     """What the builders need to know beyond the spec: the identity of the service's replica key (its
-    Secret's uid, "" while unknown) and the namespace the operator runs in (for the NetworkPolicy)."""
+    Secret's uid, "" while unknown), the namespace the operator runs in (for the NetworkPolicy) and the image
+    the router runs (the operator's --router-image)."""
 
     replica_key_id: str = ""
     operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
+    router_image: str = DEFAULT_IMAGE
 
 
 NO_WIRING = Wiring()

@@ -5,8 +5,11 @@ leader pods.
 A replica is one model split over all accelerators of its Slice
 (``parallelism.py``): one rank per accelerator, countPerHost ranks in each
 member pod. With several hosts the leader (member 0) runs the API and rank 0;
-the other members run ``tokenfleet serve --headless`` (only /health and
-/metrics) and join the leader at its address in the Slice's headless Service.
+the other members run headless and join the leader at its address in the
+Slice's headless Service. What the containers run (command line, probes, the
+replica key's name) is the spec's runtime's (``runtimes/``); the router runs
+from the operator's own image (``Wiring.router_image``) whatever the replicas
+run, told which runtime they speak.
 
 The router ConfigMap has two keys: ``router.json`` (how to route; part of the
 router Deployment's config hash, so a change rolls the router) and
@@ -22,9 +25,9 @@ from typing import Any
 
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
-from tokenfleet_operator.api.common import quantity_value
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.api.model_source import ModelSource
+from tokenfleet_operator.builders.adapters import adapter_volumes, adapters_configmap, lora_enabled
 from tokenfleet_operator.builders.auth import (
     NO_WIRING,
     Wiring,
@@ -55,7 +58,8 @@ from tokenfleet_operator.naming import (
     slice_name,
 )
 from tokenfleet_operator.parallelism import ParallelSizes, SizeError, parallel_sizes
-from tokenfleet_serving.contract.pod_env import PodEnv
+from tokenfleet_operator.runtimes import Launch, runtime_of
+from tokenfleet_operator.runtimes.base import http_probe
 from tokenfleet_serving.contract.router_files import (
     Endpoint,
     RouterConfig,
@@ -140,111 +144,37 @@ def replica_sizes(spec: InferenceServiceSpec) -> ParallelSizes:
         return ParallelSizes(hosts, 1, hosts)
 
 
-def parallel_args(sizes: ParallelSizes, member: int) -> list[str]:
-    """The flags that make member ``member`` (0 = the leader) one host of the replica's ranks; none for a
-    replica of one rank. Every member but the leader is headless and takes its host index from its Slice."""
-    if sizes.world == 1:
-        return []
-    args = ["--tensor-parallel-size", str(sizes.tensor), "--pipeline-parallel-size", str(sizes.pipeline)]
-    if sizes.hosts > 1:
-        rank = "0" if member == 0 else f"$({PodEnv.MEMBER_INDEX.value})"
-        args += ["--nnodes", str(sizes.hosts), "--node-rank", rank,
-                 "--master-addr", f"$({PodEnv.LEADER_ADDRESS.value})", "--master-port", str(RENDEZVOUS_PORT)]
-        if member != 0:
-            args.append("--headless")
-    return args
+def launch(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> Launch:
+    """What the runtime's command line is made of beyond the spec (``runtimes/base.py``)."""
+    return Launch(model_dir=model_dir, sizes=replica_sizes(spec), member=member,
+                  draft_model_dir=draft_model_storage(spec)[2], port=SERVING_PORT,
+                  price_per_replica_hour=hourly_cost(spec, 1), rendezvous_port=RENDEZVOUS_PORT)
 
 
-def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> list[str]:
-    """Command line of the serving container: 'tokenfleet serve' plus the engine flags; ``member`` 0 is the
-    leader (the only member of a one-host replica), any other value stands for a headless member."""
-    eng = spec.engine
-    args = ["tokenfleet", "serve", "--model", model_dir, "--host", "0.0.0.0", "--port", str(SERVING_PORT)]
-    for name in spec.model.served_model_names:
-        args.append(f"--served-model-name={name}")     # one token: a name can never be read as a flag
-    args += ["--dtype", eng.dtype, "--block-size", str(eng.kv_block_size), "--max-num-seqs", str(eng.max_num_seqs)]
-    if eng.max_model_len is not None:
-        args += ["--max-model-len", str(eng.max_model_len)]
-    if eng.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-    if eng.kv_cache_mb is not None:
-        args += ["--kv-cache-mb", str(eng.kv_cache_mb)]
-    if not eng.enable_prefix_caching:
-        args.append("--no-prefix-caching")
-    if eng.quantization != "none":
-        args += ["--quantization", eng.quantization]
-    if eng.speculative_decoding is not None:
-        sd = eng.speculative_decoding
-        args += ["--speculative-method", sd.method, "--num-speculative-tokens", str(sd.num_speculative_tokens)]
-        draft_dir = draft_model_storage(spec)[2]
-        if draft_dir:
-            args += ["--speculative-draft-model", draft_dir]
-    if eng.tool_call_parser is not None:
-        args += ["--tool-call-parser", eng.tool_call_parser]
-    per_replica = hourly_cost(spec, 1)
-    if per_replica > 0:
-        args += ["--price-per-hour", f"{per_replica:g}"]
-    args += warm_restart_args(spec)
-    args += kv_offload_args(spec)
-    args += parallel_args(replica_sizes(spec), member)
-    args += list(eng.extra_args or [])
-    return args
-
-
-PREFIX_CHECKPOINT_SUBDIR = "prefix-cache"
-def _mebibytes(quantity: int | str) -> int:
-    value = quantity_value(quantity) or 0
-    return max(1, int(value // 2**20)) if value > 0 else 0
-
-
-def kv_offload_args(spec: InferenceServiceSpec) -> list[str]:
-    """The server's KV offload flags (engine.kvOffload). With warmRestart and no diskPath the server keeps its disk
-    tier in the checkpoint store (``--prefix-checkpoint-dir``/its name), which diskSize then bounds."""
-    offload = spec.engine.kv_offload
-    if offload is None:
-        return []
-    args: list[str] = []
-    if offload.host_memory is not None and _mebibytes(offload.host_memory):
-        args += ["--kv-offload-host-mb", str(_mebibytes(offload.host_memory))]
-    if offload.disk_path is not None:
-        args += ["--kv-offload-disk-path", offload.disk_path]
-    if offload.disk_size is not None:
-        args += ["--kv-offload-disk-mb", str(max(1, _mebibytes(offload.disk_size)))]
-    return args
-
-
-def warm_restart_args(spec: InferenceServiceSpec) -> list[str]:
-    """The server's prefix-checkpoint flags: the Slice mounts the store and sets TOKENFLEET_CHECKPOINT_DIR
-    (``builders/slice_pods.py``); each member saves under its Slice's name and index, so a replacement of a
-    replica loads its predecessor's blocks. The kubelet expands the $(VAR) references."""
-    checkpoint = spec.slice_policy.checkpoint
-    if not spec.warm_restart.enabled or checkpoint is None:
-        return []
-    return ["--prefix-checkpoint-dir", f"$(TOKENFLEET_CHECKPOINT_DIR)/{PREFIX_CHECKPOINT_SUBDIR}",
-            "--prefix-checkpoint-name", "$(TOKENFLEET_SLICE)-$(TOKENFLEET_MEMBER_INDEX)",
-            "--prefix-checkpoint-interval", str(checkpoint.interval_seconds),
-            "--prefix-checkpoint-max-mb", str(spec.warm_restart.max_megabytes)]
-
-
-def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0, with_extra_args: bool = True) -> list[str]:
+    """Command line of the serving container, from the spec's runtime (``runtimes/``); ``member`` 0 is the
+    leader (the only member of a one-host replica), any other value stands for a headless member.
+    ``with_extra_args`` False leaves engine.extraArgs (which every runtime appends last) off the end: what the
+    operator itself sets."""
+    args = runtime_of(spec).command(spec, launch(spec, model_dir, member))
+    extra = len(spec.engine.extra_args or [])
+    return args[:-extra] if extra and not with_extra_args else args
 
 
 def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str,
                       member: int = 0) -> dict[str, Any]:
-    """The engine container of the leader (``member`` 0) or of a headless member (any other value), which
-    serves no API and is ready while its ranks are joined (/health)."""
+    """The engine container of the leader (``member`` 0) or of a headless member (any other value), as the
+    spec's runtime runs it: its command line, probes and the replica key under the name it reads."""
+    runtime = runtime_of(spec)
+    how = launch(spec, model_dir, member)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": engine_args(spec, model_dir, member),
+        "command": runtime.command(spec, how),
         "ports": [{"name": "http", "containerPort": SERVING_PORT, "protocol": "TCP"}],
-        # Loading weights can take many minutes: the startup probe allows 30 of them.
-        "startupProbe": _http_probe("/health", "http", 5, 360),
-        "livenessProbe": _http_probe("/health", "http", 10, 3),
-        "readinessProbe": _http_probe("/ready" if member == 0 else "/health", "http", 5, 3),
-        "env": [replica_key_env(service)],       # the router's key, from the service's Secret
+        **runtime.probes(how).to_container(),
+        "env": runtime.env(replica_key_env(service)["valueFrom"]),  # the router's key, from the service's Secret
     }
     resources = spec.resources.to_wire()
     if resources:
@@ -258,19 +188,21 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
     """The Slice spec of every replica (identical across replicas)."""
     volumes, mounts, model_dir = model_storage(spec)
     draft_volumes, draft_mounts, _ = draft_model_storage(spec)
-    volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
+    adapter_vols, adapter_mounts, _ = adapter_volumes(service, spec)
+    volumes, mounts = volumes + draft_volumes + adapter_vols, mounts + draft_mounts + adapter_mounts
     template_meta: dict[str, Any] = {"labels": common_labels(service)}
     if key_annotations(wiring):
         template_meta["annotations"] = key_annotations(wiring)
 
     def template(member: int) -> dict[str, Any]:
+        engine_volumes, engine_mounts = runtime_of(spec).volumes(launch(spec, model_dir, member))
         pod_spec: dict[str, Any] = {
-            "containers": [serving_container(spec, model_dir, mounts, service, member)],
+            "containers": [serving_container(spec, model_dir, mounts + engine_mounts, service, member)],
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
         }
-        if volumes:
-            pod_spec["volumes"] = volumes
+        if volumes or engine_volumes:
+            pod_spec["volumes"] = volumes + engine_volumes
         harden_pod_spec(pod_spec)
         return {"metadata": template_meta, "spec": pod_spec}
 
@@ -374,7 +306,7 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring:
     volumes, model_mounts, model_dir = model_storage(spec)
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.image,
+        "image": wiring.router_image,           # the operator's --router-image, whatever the replicas run
         "imagePullPolicy": spec.image_pull_policy,
         # --model repeats router.json's modelPath on the command line, where a
         # runner that relocates mounts (the local pod runner) can rewrite it.
@@ -383,12 +315,13 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring:
             "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
             "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--model", model_dir,
+            *runtime_of(spec).router_args,
             *client_keys_args(spec),
         ],
         "env": [replica_key_env(name)],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe("/ready", "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 10, 3),
+        "readinessProbe": http_probe("/ready", 5, 3),
+        "livenessProbe": http_probe("/health", 10, 3),
         "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_MOUNT, "readOnly": True}, *model_mounts,
                          *client_keys_mount(spec)],
     }
@@ -454,7 +387,7 @@ class Children:
 
     revision: str
     slices: tuple[dict[str, Any], ...]  # index i -> manifest of replica i at the current revision
-    others: tuple[dict[str, Any], ...]  # ConfigMap, Deployment, Services, in apply order
+    others: tuple[dict[str, Any], ...]  # ConfigMaps (adapters, router), Deployment, Services, in apply order
 
 
 def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
@@ -469,6 +402,7 @@ def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
         slices=tuple(slice_manifest(owner, spec, i, wiring)
                      for i in range(spec.replicas if replicas is None else replicas)),
         others=(
+            *([adapters_configmap(owner, spec, common_labels(name))] if lora_enabled(spec) else []),
             router_configmap(owner, spec, endpoints),
             router_deployment(owner, spec, wiring),
             router_service(owner),

@@ -19,16 +19,19 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
+from tokenfleet_operator.adapter_status import CONDITION as ADAPTERS_CONDITION
+from tokenfleet_operator.adapter_status import REFUSED as ADAPTER_REFUSED
 from tokenfleet_operator.api import API_VERSION
-from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.model_source import model_sources
-from tokenfleet_operator.autoscale.drain import plan_drain
+from tokenfleet_operator.autoscale.drain import DrainPlan, plan_drain
 from tokenfleet_operator.autoscale.measure import (
     GOODPUT_WINDOW_S,
     ReadingHistory,
@@ -41,14 +44,21 @@ from tokenfleet_operator.autoscale.measure import (
 from tokenfleet_operator.autoscale.policy import Targets, recommend
 from tokenfleet_operator.autoscale.startup import replica_startup_seconds, serving_seconds, starting_replicas
 from tokenfleet_operator.builders.auth import DEFAULT_OPERATOR_NAMESPACE, Wiring, replica_key_secret_name
-from tokenfleet_operator.builders.inference_service import accelerators_per_replica, desired_children, endpoints_config, hourly_cost
+from tokenfleet_operator.builders.inference_service import (
+    Children,
+    accelerators_per_replica,
+    desired_children,
+    endpoints_config,
+    hourly_cost,
+)
 from tokenfleet_operator.builders.model_shape import needs_model_shape
-from tokenfleet_operator.builders.rollout import ObservedSlice, plan_rollout
+from tokenfleet_operator.builders.rollout import ObservedSlice, RolloutPlan, plan_rollout
 from tokenfleet_operator.controller.collector import ready_serving_pods
 from tokenfleet_operator.controller.errors import InvalidSpec
 from tokenfleet_operator.controller.manager import Context
 from tokenfleet_operator.inference_service_status import (
     WAITING_REASONS,
+    AdapterReports,
     Measured,
     Scaling,
     compute_status,
@@ -101,6 +111,11 @@ def write_status(ctx: Context, body: dict[str, Any], status: dict[str, Any]) -> 
             ctx.event(body, kind, t.reason, t.message)
         elif t.type in ("Degraded", "ScalingLimited") and t.new_status == "True":
             ctx.event(body, "Warning", t.reason, t.message)
+    refused_before = cond.find(old.get("conditions"), ADAPTERS_CONDITION) or {}
+    refused_now = cond.find(status["conditions"], ADAPTERS_CONDITION) or {}
+    if refused_now.get("reason") == ADAPTER_REFUSED and (refused_before.get("reason"), refused_before.get("message")) \
+            != (refused_now.get("reason"), refused_now.get("message")):
+        ctx.event(body, "Warning", ADAPTER_REFUSED, refused_now.get("message", ""))
 
 
 def _serving_pods(ctx: Context, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -193,108 +208,223 @@ def _measure(ctx: Context, spec: InferenceServiceSpec, replicas: int, history: R
                     capacity=capacity)
 
 
-def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, policy: OperatorPolicy = DENY_HOST_PATHS,
-                                keys: ReplicaKeys = DEFAULT_KEYS,
-                                operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE) -> float | None:
-    """One level-based pass. Returns seconds until the next pass is needed, or None.
+@dataclass
+class Refusals:
+    """Children the API server refused in this pass, by the condition that shows each, and the first such
+    error (raised at the end of the pass so that the queue tries again with its backoff)."""
 
-    ``policy``: what a cluster administrator allows (host paths); ``keys``: the replica-key ledger;
-    ``operator_namespace``: where the operator's pods run (the replicas' NetworkPolicy lets them in)."""
-    cached = ctx.cache.get("InferenceService", namespace, name)
-    if cached is None or cached["metadata"].get("deletionTimestamp"):
-        return None  # children go with their owner (ownerReferences)
-    body = {**cached, "apiVersion": API_VERSION, "kind": "InferenceService"}
-    meta = body["metadata"]
-    uid = meta["uid"]
-    owner = {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": meta}
-    old_status = body.get("status") or {}
-
-    shape = ShapeStep()
-    try:
-        spec = _parse_spec(body)
-        problems = check_inference_service(spec, policy)
-        if not problems and needs_model_shape(spec):
-            shape = model_shape_step(ctx, owner, spec, old_status)
-            problems = [shape.problem] if shape.problem else check_inference_service(spec, policy, shape.shape)
-        if problems:
-            raise InvalidSpec(problems[0])
-    except InvalidSpec as e:
-        status = invalid_status(owner, e.problem, old_status)
-        if shape.status is not None:
-            status["modelShape"] = shape.status
-        write_status(ctx, body, status)
-        if e.problem.reason == "ReadingModel":
-            return None          # the pod's progress is a watch event that brings us back
-        raise
-
-    for field, source in model_sources(spec):
-        claim = source.pvc.claim_name if source.pvc is not None else None
-        if claim is not None and ctx.cache.get("PersistentVolumeClaim", namespace, claim) is None:
-            problem = Problem("ModelSourceNotFound", f"{field}.pvc.claimName",
-                              f"PersistentVolumeClaim {claim} does not exist in {namespace}; create it")
-            write_status(ctx, body, invalid_status(owner, problem, old_status))
-            log.info("InferenceService %s/%s waits for %s", namespace, name, problem)
-            return None          # the claim's creation is a watch event that brings us back
-
-    history = ctx.collector.router_history(namespace, name)
-    existing = [s for s in ctx.cache.by_label("Slice", namespace, SERVICE_LABEL, name) if _owned_by(s, uid)]
-    serving_pods = _serving_pods(ctx, namespace, name)
-    pods_by_name = {p["metadata"]["name"]: p for p in serving_pods}
-    indexed = [(i, s, pods_by_name.get(_leader_pod_name(s["metadata"]["name"]))) for s in existing
-               if (i := slice_index(name, s["metadata"]["name"])) is not None]
-    startup_s = replica_startup_seconds([(s, pod) for _, s, pod in indexed])
-    replicas, autoscaling, limited = _scale(ctx, body, spec, ready_serving_pods(ctx.cache, namespace, name), history,
-                                            startup_s, indexed)
-    victims = {s["metadata"]["name"]: _leader_pod_name(s["metadata"]["name"]) for i, s, _ in indexed if i >= replicas}
-    drain = plan_drain(victims, old_status.get("draining") or [], history.latest.reading if history and history.latest
-                       else None, dt.datetime.now(dt.UTC), spec.autoscaling.drain_timeout_seconds)
-    for slice_name in drain.started:
-        ctx.event(body, "Normal", "DrainStarted", f"replica {slice_name} gets no new requests; it is removed once "
-                  f"its open requests finished (at most {spec.autoscaling.drain_timeout_seconds} s)")
-    draining = {d["name"] for d in drain.draining}
-    refused: list[tuple[str, Refusal]] = []
+    service: str
+    items: list[tuple[str, Refusal]] = field(default_factory=list)
     first_error: KubeError | None = None
 
-    def refuse(kind: str, child: str, error: KubeError) -> None:
-        nonlocal first_error
+    def refuse(self, kind: str, child: str, error: KubeError) -> None:
+        """A write of ``child`` failed: note it if it is a refusal a person must see, else raise it."""
         refusal = child_errors.refusal_of(kind, child, error)
         if refusal is None:
             raise error
-        refused.append((_condition_of(refusal, name), refusal))
-        first_error = first_error or error
+        self.items.append((_condition_of(refusal, self.service), refusal))
+        self.first_error = self.first_error or error
 
-    router = ctx.cache.get("Deployment", namespace, router_name(name))
-    built_with = [c for c in (router, *existing) if c is not None]
+
+@dataclass
+class ServicePass:
+    """One pass over one InferenceService: the object as cached, its parsed spec and what the pass found."""
+
+    ctx: Context
+    body: dict[str, Any]
+    spec: InferenceServiceSpec | None = None
+    shape: ShapeStep = field(default_factory=ShapeStep)
+    refusals: Refusals = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.refusals = Refusals(self.name)
+
+    @property
+    def name(self) -> str:
+        return str(self.body["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.body["metadata"]["namespace"])
+
+    @property
+    def owner(self) -> dict[str, Any]:
+        return {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": self.body["metadata"]}
+
+    @property
+    def old_status(self) -> dict[str, Any]:
+        return self.body.get("status") or {}
+
+    @property
+    def valid_spec(self) -> InferenceServiceSpec:
+        assert self.spec is not None, "accept_spec ran first"
+        return self.spec
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The service's replicas as observed, and how many it should run."""
+
+    slices: tuple[dict[str, Any], ...]                                 # the Slices it owns
+    indexed: tuple[tuple[int, dict[str, Any], dict[str, Any] | None], ...]  # (index, Slice, its leader pod)
+    serving_pods: tuple[dict[str, Any], ...]                           # the leader pods
+    history: ReadingHistory | None                                     # the router's readings
+    count: int                                                         # replicas to run
+    autoscaling: dict[str, Any] | None                                 # status.autoscaling
+    limited: cond.Desired | None                                       # the ScalingLimited condition
+    drain: DrainPlan
+
+    @property
+    def draining(self) -> set[str]:
+        return {d["name"] for d in self.drain.draining}
+
+
+def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, policy: OperatorPolicy = DENY_HOST_PATHS,
+                                keys: ReplicaKeys = DEFAULT_KEYS,
+                                operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE,
+                                router_image: str = DEFAULT_IMAGE) -> float | None:
+    """One level-based pass. Returns seconds until the next pass is needed, or None.
+
+    ``policy``: what a cluster administrator allows (host paths); ``keys``: the replica-key ledger;
+    ``operator_namespace``: where the operator's pods run (the replicas' NetworkPolicy lets them in);
+    ``router_image``: the image of the router Deployment (the operator's --router-image)."""
+    p = start_pass(ctx, namespace, name)                  # the service from the cache; None once it is deleted
+    if p is None or not accept_spec(p, policy):           # parse and check the spec (and the model's shape)
+        return None
+    if not model_claims_exist(p):                         # a model source's PVC is missing: wait for it
+        return None
+    replicas = observe_replicas(p)                        # Slices, leader pods, the count to run, the drains
+    wiring = Wiring(replica_key(p, keys, replicas), operator_namespace, router_image)  # the router-to-replica key
+    children = desired_children(p.owner, p.valid_spec, endpoints_config(list(replicas.serving_pods),
+                                                                        replicas.draining), wiring, replicas.count)
+    live = apply_router_children(p, children)             # router ConfigMap, Deployment, Services, NetworkPolicy
+    plan, slices = apply_slices(p, replicas, children)    # create or update the Slices the rollout allows
+    delete_surplus_slices(p, replicas, plan, slices)      # Slices beyond the count, once drained
+    status = write_service_status(p, replicas, children, slices, live)  # status, conditions and their Events
+    export_service_metrics(p, replicas, status)           # the per-service gauges
+    return next_pass(p, replicas)                         # raise the first refusal, or when to look again
+
+
+def start_pass(ctx: Context, namespace: str, name: str) -> ServicePass | None:
+    cached = ctx.cache.get("InferenceService", namespace, name)
+    if cached is None or cached["metadata"].get("deletionTimestamp"):
+        return None  # children go with their owner (ownerReferences)
+    return ServicePass(ctx, {**cached, "apiVersion": API_VERSION, "kind": "InferenceService"})
+
+
+def accept_spec(p: ServicePass, policy: OperatorPolicy) -> bool:
+    """Parse and check the spec; with a model split over ranks, read the model's shape first. A bad spec writes
+    Ready=False naming the field and raises InvalidSpec; while the shape is being read, False (the reading
+    pod's progress brings the service back)."""
     try:
-        key_id = keys.ensure(ctx, body, built_with)
+        p.spec = _parse_spec(p.body)
+        problems = check_inference_service(p.spec, policy)
+        if not problems and needs_model_shape(p.spec):
+            p.shape = model_shape_step(p.ctx, p.owner, p.spec, p.old_status)
+            problems = [p.shape.problem] if p.shape.problem else check_inference_service(p.spec, policy, p.shape.shape)
+        if problems:
+            raise InvalidSpec(problems[0])
+    except InvalidSpec as e:
+        status = invalid_status(p.owner, e.problem, p.old_status)
+        if p.shape.status is not None:
+            status["modelShape"] = p.shape.status
+        write_status(p.ctx, p.body, status)
+        if e.problem.reason == "ReadingModel":
+            return False
+        raise
+    return True
+
+
+def model_claims_exist(p: ServicePass) -> bool:
+    """Whether every PersistentVolumeClaim a model source names exists; if one does not, Ready=False says so
+    (its creation is a watch event that brings the service back)."""
+    for field_name, source in model_sources(p.valid_spec):
+        claim = source.pvc.claim_name if source.pvc is not None else None
+        if claim is not None and p.ctx.cache.get("PersistentVolumeClaim", p.namespace, claim) is None:
+            problem = Problem("ModelSourceNotFound", f"{field_name}.pvc.claimName",
+                              f"PersistentVolumeClaim {claim} does not exist in {p.namespace}; create it")
+            write_status(p.ctx, p.body, invalid_status(p.owner, problem, p.old_status))
+            log.info("InferenceService %s/%s waits for %s", p.namespace, p.name, problem)
+            return False
+    return True
+
+
+def index_replicas(service: str, slices: list[dict[str, Any]], serving_pods: list[dict[str, Any]]
+                   ) -> list[tuple[int, dict[str, Any], dict[str, Any] | None]]:
+    """(replica index, Slice, its leader pod or None) for every Slice named as a replica of ``service``."""
+    pods_by_name = {pod["metadata"]["name"]: pod for pod in serving_pods}
+    return [(i, s, pods_by_name.get(_leader_pod_name(s["metadata"]["name"]))) for s in slices
+            if (i := slice_index(service, s["metadata"]["name"])) is not None]
+
+
+def observe_replicas(p: ServicePass) -> Replicas:
+    """The Slices and leader pods from the cache, the replica count (spec.replicas or the autoscaler's), and
+    the drain of every replica beyond it (an Event when one starts)."""
+    ctx, spec, uid = p.ctx, p.valid_spec, p.body["metadata"]["uid"]
+    history = ctx.collector.router_history(p.namespace, p.name)
+    slices = [s for s in ctx.cache.by_label("Slice", p.namespace, SERVICE_LABEL, p.name) if _owned_by(s, uid)]
+    serving_pods = _serving_pods(ctx, p.namespace, p.name)
+    indexed = index_replicas(p.name, slices, serving_pods)
+    startup_s = replica_startup_seconds([(s, pod) for _, s, pod in indexed])
+    count, autoscaling, limited = _scale(ctx, p.body, spec, ready_serving_pods(ctx.cache, p.namespace, p.name),
+                                         history, startup_s, indexed)
+    victims = {s["metadata"]["name"]: _leader_pod_name(s["metadata"]["name"]) for i, s, _ in indexed if i >= count}
+    drain = plan_drain(victims, p.old_status.get("draining") or [],
+                       history.latest.reading if history and history.latest else None, dt.datetime.now(dt.UTC),
+                       spec.autoscaling.drain_timeout_seconds)
+    for slice_name in drain.started:
+        ctx.event(p.body, "Normal", "DrainStarted", f"replica {slice_name} gets no new requests; it is removed once "
+                  f"its open requests finished (at most {spec.autoscaling.drain_timeout_seconds} s)")
+    return Replicas(tuple(slices), tuple(indexed), tuple(serving_pods), history, count, autoscaling, limited, drain)
+
+
+def replica_key(p: ServicePass, keys: ReplicaKeys, replicas: Replicas) -> str:
+    """The identity of the service's replica key, its Secret made if missing; while the Secret cannot be made,
+    the identity the pods were built with (they stay as they are)."""
+    router = p.ctx.cache.get("Deployment", p.namespace, router_name(p.name))
+    built_with = [c for c in (router, *replicas.slices) if c is not None]
+    try:
+        return keys.ensure(p.ctx, p.body, built_with)
     except KubeError as e:
-        refuse("Secret", replica_key_secret_name(name), e)
-        key_id = known_key_id(built_with)          # keep the pods as they are until the Secret can be made
-    endpoints = endpoints_config(serving_pods, draining)
-    children = desired_children(owner, spec, endpoints, Wiring(key_id, operator_namespace), replicas)
+        p.refusals.refuse("Secret", replica_key_secret_name(p.name), e)
+        return known_key_id(built_with)
+
+
+def apply_router_children(p: ServicePass, children: Children) -> dict[str, dict[str, Any]]:
+    """Apply the children besides the Slices where they differ from the cache; the live object of each kind."""
     live: dict[str, dict[str, Any]] = {}
     for manifest in children.others:
-        current = ctx.cache.get(manifest["kind"], namespace, manifest["metadata"]["name"])
+        kind, child = manifest["kind"], manifest["metadata"]["name"]
+        current = p.ctx.cache.get(kind, p.namespace, child)
         if needs_apply(manifest, current):
             try:
-                current = ctx.apply(manifest)
+                current = p.ctx.apply(manifest)
             except KubeError as e:
-                refuse(manifest["kind"], manifest["metadata"]["name"], e)
-                current = ctx.cache.get(manifest["kind"], namespace, manifest["metadata"]["name"])
+                p.refusals.refuse(kind, child, e)
+                current = p.ctx.cache.get(kind, p.namespace, child)
             else:
-                metrics.CHILDREN_APPLIED.labels(kind=manifest["kind"]).inc()
+                metrics.CHILDREN_APPLIED.labels(kind=kind).inc()
         if current is not None:
-            live[manifest["kind"]] = current
+            live[kind] = current
     router_pods = child_errors.router_pods_refusal(live.get("Deployment"))
     if router_pods is not None:
-        refused.append(("RouterReady", router_pods))
+        p.refusals.items.append(("RouterReady", router_pods))
+    return live
 
-    states = {s["metadata"]["name"]: s for s in existing}
-    observed = [
-        ObservedSlice(s["metadata"]["name"], (s["metadata"].get("labels") or {}).get(REVISION_LABEL), slice_state(s).ready)
-        for s in existing
-    ]
-    plan = plan_rollout(name, replicas, children.revision, observed, spec.rollout.max_unavailable)
+
+def rollout_plan(service: str, spec: InferenceServiceSpec, replicas: int, revision: str,
+                 slices: tuple[dict[str, Any], ...]) -> RolloutPlan:
+    """Which replicas to apply at the current revision and which Slices to delete (``builders/rollout.py``)."""
+    observed = [ObservedSlice(s["metadata"]["name"], (s["metadata"].get("labels") or {}).get(REVISION_LABEL),
+                              slice_state(s).ready) for s in slices]
+    return plan_rollout(service, replicas, revision, observed, spec.rollout.max_unavailable)
+
+
+def apply_slices(p: ServicePass, replicas: Replicas, children: Children
+                 ) -> tuple[RolloutPlan, dict[str, dict[str, Any]]]:
+    """Apply the Slices the rollout plan allows where they differ; one Event names the replicas made."""
+    plan = rollout_plan(p.name, p.valid_spec, replicas.count, children.revision, replicas.slices)
+    states = {s["metadata"]["name"]: s for s in replicas.slices}
     created: list[tuple[int, str]] = []
     for index in plan.apply:
         manifest = children.slices[index]
@@ -303,48 +433,81 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
             continue
         is_new = slice_name not in states
         try:
-            states[slice_name] = ctx.apply(manifest)
+            states[slice_name] = p.ctx.apply(manifest)
         except KubeError as e:
-            refuse("Slice", slice_name, e)
+            p.refusals.refuse("Slice", slice_name, e)
             continue
         metrics.CHILDREN_APPLIED.labels(kind="Slice").inc()
         if is_new:
             created.append((index, slice_name))
     if created:       # one Event per pass, however many replicas it made
-        ctx.event(body, "Normal", "SliceCreated", "created " + ", ".join(
+        p.ctx.event(p.body, "Normal", "SliceCreated", "created " + ", ".join(
             f"Slice {slice_name} for replica {index}" for index, slice_name in created))
+    return plan, states
+
+
+def delete_surplus_slices(p: ServicePass, replicas: Replicas, plan: RolloutPlan,
+                          states: dict[str, dict[str, Any]]) -> None:
+    """Delete the Slices the plan drops, except those still draining (``autoscale/drain.py``)."""
+    draining = replicas.draining
     for slice_name in plan.delete:
         if slice_name in draining:
-            continue                               # drained first (autoscale/drain.py)
-        if ctx.delete(API_VERSION, "Slice", namespace, slice_name):
-            why = "drained" if slice_name in drain.delete else "not a replica of this service"
-            ctx.event(body, "Normal", "SliceDeleted", f"deleted Slice {slice_name} ({why}; {replicas} replicas)")
+            continue
+        if p.ctx.delete(API_VERSION, "Slice", p.namespace, slice_name):
+            why = "drained" if slice_name in replicas.drain.delete else "not a replica of this service"
+            p.ctx.event(p.body, "Normal", "SliceDeleted",
+                        f"deleted Slice {slice_name} ({why}; {replicas.count} replicas)")
         states.pop(slice_name, None)
 
+
+def write_service_status(p: ServicePass, replicas: Replicas, children: Children,
+                         states: dict[str, dict[str, Any]], live: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The status from what the pass saw (``inference_service_status.py``), the refusals' conditions on top;
+    written if it changed, with a Warning Event for each new refusal."""
+    spec, old_status = p.valid_spec, p.old_status
     status = compute_status(
-        owner, spec, children.revision, [slice_state(s) for s in states.values()],
+        p.owner, spec, children.revision, [slice_state(s) for s in states.values()],
         deployment_ready_replicas(live.get("Deployment")), old_status=old_status,
-        scaling=Scaling(replicas, autoscaling, limited, drain.draining),
-        measured=_measure(ctx, spec, len(states), history, old_status),
+        scaling=Scaling(replicas.count, replicas.autoscaling, replicas.limited, replicas.drain.draining),
+        measured=_measure(p.ctx, spec, len(states), replicas.history, old_status),
+        adapter_reports=_adapter_reports(p.ctx, spec, p.namespace, p.name),
     )
-    if shape.status is not None:
-        status["modelShape"] = shape.status
-    status = child_errors.with_refusals(status, old_status.get("conditions"), refused)
-    write_status(ctx, body, status)
-    for refusal in child_errors.news(old_status.get("conditions"), refused, status["conditions"]):
-        ctx.event(body, "Warning", refusal.reason, refusal.message)
-    metrics.SERVICE_READY_REPLICAS.labels(namespace=namespace, service=name).set(status["readyReplicas"])
-    metrics.SERVICE_REPLICAS.labels(namespace=namespace, service=name).set(replicas)
-    metrics.SERVICE_ACCELERATORS.labels(namespace=namespace, service=name).set(status["replicas"] * accelerators_per_replica(spec))
-    metrics.SERVICE_SLO_OBJECTIVE.labels(namespace=namespace, service=name).set(spec.slo.percentile / 100)
-    metrics.SERVICE_COST.labels(namespace=namespace, service=name).set(status["cost"]["dollarsPerHour"])
+    if p.shape.status is not None:
+        status["modelShape"] = p.shape.status
+    status = child_errors.with_refusals(status, old_status.get("conditions"), p.refusals.items)
+    write_status(p.ctx, p.body, status)
+    for refusal in child_errors.news(old_status.get("conditions"), p.refusals.items, status["conditions"]):
+        p.ctx.event(p.body, "Warning", refusal.reason, refusal.message)
+    return status
+
+
+def export_service_metrics(p: ServicePass, replicas: Replicas, status: dict[str, Any]) -> None:
+    spec, labels = p.valid_spec, {"namespace": p.namespace, "service": p.name}
+    metrics.SERVICE_READY_REPLICAS.labels(**labels).set(status["readyReplicas"])
+    metrics.SERVICE_REPLICAS.labels(**labels).set(replicas.count)
+    metrics.SERVICE_ACCELERATORS.labels(**labels).set(status["replicas"] * accelerators_per_replica(spec))
+    metrics.SERVICE_SLO_OBJECTIVE.labels(**labels).set(spec.slo.percentile / 100)
+    metrics.SERVICE_COST.labels(**labels).set(status["cost"]["dollarsPerHour"])
     if "costPerMillionTokens" in status["cost"]:
-        metrics.SERVICE_COST_PER_MTOK.labels(namespace=namespace, service=name).set(status["cost"]["costPerMillionTokens"])
-    if first_error is not None:
-        raise first_error          # shown above; tried again with the queue's backoff
-    if spec.max_replicas is not None or draining:
+        metrics.SERVICE_COST_PER_MTOK.labels(**labels).set(status["cost"]["costPerMillionTokens"])
+
+
+def next_pass(p: ServicePass, replicas: Replicas) -> float | None:
+    """Raise the first refused write (shown in the status; the queue retries with its backoff); otherwise look
+    again in AUTOSCALE_SECONDS while the autoscaler is on or a replica drains, else only on the next event."""
+    if p.refusals.first_error is not None:
+        raise p.refusals.first_error
+    if p.valid_spec.max_replicas is not None or replicas.draining:
         return AUTOSCALE_SECONDS
     return None
+
+
+def _adapter_reports(ctx: Context, spec: InferenceServiceSpec, namespace: str, name: str) -> AdapterReports | None:
+    if spec.adapters is None:
+        return None
+    readings = ctx.collector.adapter_readings(namespace, name)
+    return AdapterReports(dict(readings.replicas) if readings is not None else {},
+                          frozenset(ready_serving_pods(ctx.cache, namespace, name)))
 
 
 def _leader_pod_name(slice_name: str) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..contract.levers import parse_kv_cache_dtype
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
 from .block_pool import adapter_root_hash
@@ -94,6 +95,11 @@ class EngineConfig:
     load_tokenizer: bool = True
     cpu_kernels: bool = True            # compiled fp32 CPU kernels (cpu_kernels.py); False: PyTorch only
     quantization: str = "none"          # "int8": weight-only int8 linears, quantized at load (quantization.py)
+    kv_cache_dtype: str = "auto"        # "int8": the KV cache in int8, a scale per token and KV head (kv_quant.py)
+    # size the KV budget as this fraction of the device's memory (CPU: the memory limit), less weights and
+    # headroom (contract/kv_budget.py), instead of kv_cache_bytes
+    memory_utilization: float | None = None
+    device_memory_bytes: int | None = None   # the memory memory_utilization takes a fraction of (None: measured)
     speculative: SpeculativeConfig | None = None    # speculative decoding (speculative.py); None: off
     load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
     parallel: ParallelConfig | None = None   # tensor parallelism over processes (distributed.py); None: one rank
@@ -152,6 +158,7 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(threads)
         self.quantization = parse_quantization(config.quantization)
+        self.kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, "kv_cache_dtype")
         model_config = load_config(config.model)
         self.dtype_choice = choose_dtype(config.dtype, device, model_config, config.cpu_kernels, self.quantization)
         self.device, self.dtype = device, self.dtype_choice.dtype
@@ -160,7 +167,8 @@ class LLMEngine:
         if parallel.world_size > 1:
             self._join(parallel, model_config, threads)
         setup = RankSetup(self.dtype, self.quantization, config.cpu_kernels, config.max_model_len,
-                          config.kv_cache_bytes, config.block_size, config.load_format)
+                          config.kv_cache_bytes, config.block_size, config.load_format, self.kv_cache_dtype,
+                          config.memory_utilization, config.device_memory_bytes)
         self.startup_marks: dict[str, float] = {}                        # server/startup.py reports them
         try:
             if self.group is not None:
@@ -173,6 +181,14 @@ class LLMEngine:
             raise
         self.runner, self.model_config, self.tokenizer = loaded.runner, loaded.config, loaded.tokenizer
         self.max_model_len, num_blocks, self.kv_cache_bytes = loaded.max_model_len, loaded.num_blocks, loaded.kv_cache_bytes
+        if config.max_model_len is not None and -(-self.max_model_len // config.block_size) > num_blocks:
+            self.close()
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} (engine.maxModelLen) does not fit the KV cache once: it holds "
+                f"{num_blocks * config.block_size} tokens ({self.kv_cache_bytes >> 20} MiB per rank, KV cache dtype "
+                f"{self.kv_cache_dtype}); raise the budget (--kv-cache-memory-bytes / --kv-cache-mb / "
+                "--gpu-memory-utilization; engine.kvCacheMemory / acceleratorMemoryUtilization), use "
+                "--kv-cache-dtype int8, or lower --max-model-len")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.offload: KVOffload | None = None
         if config.kv_offload is not None and config.kv_offload.enabled:
@@ -568,6 +584,14 @@ class LLMEngine:
         with self.lock:
             self.lora.load(name, path)
             return self.lora.load_seconds[name]
+
+    def register_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Make adapter ``name`` servable from ``path``, read on its first request: its files are checked now
+        (``lora_adapter.AdapterError``, ValueError) but not kept in memory."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        with self.lock:
+            self.lora.register(name, path)
 
     def unload_lora_adapter(self, name: str) -> bool:
         """Stop serving ``name``: True when it is gone now, False when it goes as its running requests finish

@@ -3,7 +3,8 @@
 A checkpoint holds, for each block, its chained hash, its parent's hash, its token ids and its KV tensors
 (every layer's keys and values), blocks ordered hottest first with every parent before its children. It is
 tied to what produced it (``identity``): the sha256 of the model's ``config.json``, the model's revision
-(given, or a fingerprint of the weight files), the dtype, the block size and the per-block KV shape. A
+(given, or a fingerprint of the weight files), the dtype, the KV cache's dtype (``auto`` or ``int8``), the
+block size and the per-block KV shape. A
 checkpoint whose identity differs in any of these is refused with a reason that names them; one whose
 checksum does not match (corrupt, truncated) is ignored. Loading re-checks every block's hash against its
 parent and token ids, so no block can enter the cache under a hash it does not have.
@@ -12,7 +13,8 @@ File layout (little endian)::
 
     b"TFPREFIX"  uint32 version  uint64 header length  header (JSON, UTF-8)
     hashes [n x 32 bytes]  parents [n x 32 bytes]  token ids [n x block_size x uint32]
-    KV [n x layers x 2 x kv_heads x block_size x head_dim, in the dtype]
+    KV [n x layers x 2 x kv_heads x block_size x head_dim, in the dtype, or int8 with kv_cache_dtype int8]
+    (kv_cache_dtype int8 only) scales [n x layers x 2 x kv_heads x block_size, bfloat16]
     sha256 of everything before it [32 bytes]
 
 Files are written to a temporary name, flushed to disk and renamed, so a reader sees the old file or the
@@ -78,11 +80,12 @@ def engine_identity(engine: LLMEngine, revision: str | None = None) -> dict[str,
     model_dir = engine.config.model
     pool = engine.runner.kv_pool
     return {
+        "kv_cache_dtype": engine.runner.kv_cache_dtype,
         "format": VERSION,
         "hash_scheme": HASH_SCHEME,
         "model_config_sha256": config_sha256(model_dir),
         "revision": revision or f"weights:{weights_fingerprint(model_dir)}",
-        "dtype": str(pool.dtype).removeprefix("torch."),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "block_size": engine.kv.block_size,
         "kv_block_shape": [pool.shape[0], pool.shape[1], pool.shape[2], pool.shape[4], pool.shape[5]],
     }
@@ -96,6 +99,7 @@ class Snapshot:
     parents: list[bytes]
     tokens: list[tuple[int, ...]]
     kv: torch.Tensor                 # [n, layers, 2, kv_heads, block_size, head_dim] on the CPU
+    scales: torch.Tensor | None = None   # int8 KV: [n, layers, 2, kv_heads, block_size] bf16
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -132,18 +136,19 @@ def _closed_under_parents(pool, order: list[int], limit: int) -> list[int]:
 
 def export_snapshot(engine: LLMEngine, max_blocks: int) -> Snapshot:
     """Copy the hottest ``max_blocks`` cached blocks (under the engine's lock, between steps)."""
-    pool_tensor = engine.runner.kv_pool
+    pool_tensor, scale_tensor = engine.runner.kv_pool, engine.runner.kv_scales
+    scales = None
     with engine.lock:
         pool = engine.kv.pool
         blocks = _closed_under_parents(pool, pool.hottest_cached(), max_blocks)
-        if blocks:
-            index = torch.tensor(blocks, dtype=torch.long, device=pool_tensor.device)
-            kv = pool_tensor.index_select(3, index).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
-        else:
-            kv = torch.empty((0, *pool_tensor.shape[:3], *pool_tensor.shape[4:]), dtype=pool_tensor.dtype)
+        index = torch.tensor(blocks, dtype=torch.long, device=pool_tensor.device)
+        kv = pool_tensor.index_select(3, index).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+        if scale_tensor is not None:
+            scales = scale_tensor.index_select(3, index).permute(3, 0, 1, 2, 4).contiguous().cpu()
         hashes = [pool.block_hash[b] for b in blocks]
         origins = [pool.block_origin[b] for b in blocks]
-    return Snapshot(hashes, [o[0] for o in origins], [o[1] for o in origins], kv)  # type: ignore[arg-type,index]
+    return Snapshot(hashes, [o[0] for o in origins], [o[1] for o in origins], kv,  # type: ignore[arg-type,index]
+                    scales)
 
 
 def import_snapshot(engine: LLMEngine, snap: Snapshot) -> int:
@@ -175,6 +180,10 @@ def import_snapshot(engine: LLMEngine, snap: Snapshot) -> int:
         index = torch.tensor(blocks, dtype=torch.long, device=pool_tensor.device)
         data = snap.kv[torch.tensor(keep, dtype=torch.long)].to(pool_tensor.device)
         pool_tensor.index_copy_(3, index, data.permute(1, 2, 3, 0, 4, 5))
+        if engine.runner.kv_scales is not None:
+            assert snap.scales is not None, "an int8 KV checkpoint carries its scales"
+            scales = snap.scales[torch.tensor(keep, dtype=torch.long)].to(pool_tensor.device)
+            engine.runner.kv_scales.index_copy_(3, index, scales.permute(1, 2, 3, 0, 4))
         for b, i in zip(blocks, keep):
             pool.cache(b, snap.hashes[i], (snap.parents[i], tuple(snap.tokens[i])))
         pool.release(blocks)          # free and cached: the first blocks of the file are evicted last
@@ -194,6 +203,8 @@ def write_checkpoint(path: str | Path, snap: Snapshot, identity: dict[str, Any],
     parts = [MAGIC, struct.pack("<IQ", VERSION, len(header_bytes)), header_bytes, b"".join(snap.hashes),
              b"".join(snap.parents), tokens.to(torch.int32).numpy().astype("<u4").tobytes(),
              snap.kv.contiguous().view(torch.uint8).numpy().tobytes()]
+    if snap.scales is not None:
+        parts.append(snap.scales.contiguous().view(torch.uint8).numpy().tobytes())
     digest = hashlib.sha256()
     for p in parts:
         digest.update(p)
@@ -223,8 +234,10 @@ def identity_mismatch(theirs: Any, ours: dict[str, Any]) -> str | None:
         return "it carries no identity"
     names = {"model_config_sha256": "model (config.json)", "revision": "revision", "dtype": "dtype",
              "block_size": "KV block size", "kv_block_shape": "KV layout", "format": "format",
-             "hash_scheme": "block hash scheme"}
-    diffs = [f"{names.get(k, k)} {theirs.get(k)!r} here {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+             "hash_scheme": "block hash scheme", "kv_cache_dtype": "KV cache dtype"}
+    defaults = {"kv_cache_dtype": "auto"}      # checkpoints from before int8 KV caches hold the model dtype
+    diffs = [f"{names.get(k, k)} {theirs.get(k, defaults.get(k))!r} here {v!r}" for k, v in ours.items()
+             if theirs.get(k, defaults.get(k)) != v]
     if not diffs:
         return None
     return "it was written by another model, revision or dtype: " + "; ".join(diffs)
@@ -254,11 +267,13 @@ def read_checkpoint(path: str | Path, identity: dict[str, Any]) -> tuple[Snapsho
         raise CheckpointUnusable(f"{path}: {why}")
     n = int(header.get("num_blocks", -1))
     shape = identity["kv_block_shape"]
-    dtype = getattr(torch, identity["dtype"])
+    int8 = identity.get("kv_cache_dtype") == "int8"
+    dtype = torch.int8 if int8 else getattr(torch, identity["dtype"])
     per_block = 32 + 32 + 4 * identity["block_size"]
     kv_bytes = n * int(torch.tensor(shape).prod()) * torch.tensor([], dtype=dtype).element_size()
+    scale_bytes = n * int(torch.tensor(shape[:-1]).prod()) * 2 if int8 else 0
     offset = start + header_len
-    if n < 0 or offset + n * per_block + kv_bytes + 32 != len(data):
+    if n < 0 or offset + n * per_block + kv_bytes + scale_bytes + 32 != len(data):
         raise CheckpointUnusable(f"{path}: its size does not match its {n} blocks")
     hashes = [bytes(data[offset + 32 * i:offset + 32 * (i + 1)]) for i in range(n)]
     offset += 32 * n
@@ -270,4 +285,9 @@ def read_checkpoint(path: str | Path, identity: dict[str, Any]) -> tuple[Snapsho
     offset += 4 * bs * n
     kv = (torch.frombuffer(data, dtype=torch.uint8, count=kv_bytes, offset=offset).view(dtype).view(n, *shape)
           if n else torch.empty((0, *shape), dtype=dtype))
-    return Snapshot(hashes, parents, tokens, kv), header
+    scales = None
+    if int8:
+        offset += kv_bytes
+        scales = (torch.frombuffer(data, dtype=torch.uint8, count=scale_bytes, offset=offset).view(torch.bfloat16)
+                  .view(n, *shape[:-1]) if n else torch.empty((0, *shape[:-1]), dtype=torch.bfloat16))
+    return Snapshot(hashes, parents, tokens, kv, scales), header

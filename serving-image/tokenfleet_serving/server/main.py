@@ -102,10 +102,12 @@ def config_from_args(args: ServeArgs):
         raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
                          "implemented yet: each rank would need its own tier of its KV shard")
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
+                          kv_cache_bytes=args.kv_cache_bytes, memory_utilization=args.gpu_memory_utilization,
+                          device_memory_bytes=args.accelerator_memory_bytes,
+                          max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
-                          quantization=args.quantization, speculative=speculative_config(args),
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
                           load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
                           model_revision=args.model_revision, lora=lora_config(args),
                           served_model_names=args.served_model_name or (),
@@ -119,7 +121,8 @@ def config_from_args(args: ServeArgs):
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
-                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or ())
+                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or (),
+                        lora_modules_file=args.lora_modules_file, lora_roots=args.lora_root or ())
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenfleet_serving.contract.cost import cost_per_million_tokens
+from tokenfleet_serving.contract.lora_adapters import ADAPTER_ERROR_METRIC
 from tokenfleet_serving.engine.engine import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -131,6 +132,8 @@ class ServerMetrics:
         self.output_rate = RateWindow(window_s)
         self.snapshot: Callable[[], EngineStats | None] = lambda: None
         self.state: Callable[[], dict[str, bool]] = lambda: {}
+        # adapters the --lora-modules-file refused: name -> (file, field, reason)
+        self.lora_errors: Callable[[], dict[str, tuple[str, str, str]]] = dict
         reg.register(_EngineCollector(self))
 
     def configure(self, max_model_len: int, prefix_caching: bool) -> None:
@@ -253,6 +256,14 @@ class _EngineCollector:
             yield from _lora_metrics(s.lora, names, values, time.time())
         if s.kv_offload is not None:
             yield from _kv_offload_metrics(s.kv_offload, names, values)
+        errors = m.lora_errors()
+        if errors:
+            info = GaugeMetricFamily(ADAPTER_ERROR_METRIC, "LoRA adapters of --lora-modules-file the engine "
+                                     "refused, with the adapter file and field (or tensor) at fault.",
+                                     labels=names + ["adapter", "file", "field", "reason"])
+            for adapter, (file, field_, reason) in sorted(errors.items()):
+                info.add_metric(values + [adapter, file, field_, reason[:500]], 1.0)
+            yield info
         rate = m.output_rate.rate()
         yield gauge("tokenfleet:output_tokens_per_second",
                     f"Generated tokens per second over the last {m.output_rate.window_s:g} s.", rate)

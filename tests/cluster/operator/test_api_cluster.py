@@ -38,6 +38,8 @@ INVALID = [
     (isvc("svc", accelerator={"type": "nvidia-h100-80gb", "countPerHost": 0}), ["spec.accelerator.countPerHost"]),
     (with_engine(kvBlockSize=12), ["spec.engine.kvBlockSize", "Unsupported value"]),
     (with_engine(dtype="int4"), ["spec.engine.dtype"]),
+    # issue 32: sglang is a runtime to come, not one the operator builds yet
+    (with_engine(runtime="sglang"), ["spec.engine.runtime", "Unsupported value", '"tokenfleet"', '"vllm"']),
     (isvc("svc", routing={"policy": "random"}), ["spec.routing.policy"]),
     (isvc("svc", model={"servedModelNames": ["m"]}), ["spec.model", "exactly one of path, pvc or hostPath"]),
     (isvc("svc", model={"path": "/m", "pvc": {"claimName": "w"}, "servedModelNames": ["m"]}), ["exactly one of"]),
@@ -160,6 +162,13 @@ HARDENED = [
     # defect 9: a model name is never a flag
     (isvc("svc", model={"path": "/m", "servedModelNames": ["--api-key"]}), ["spec.model.servedModelNames[0]"]),
     (isvc("svc", model={"path": "/m", "servedModelNames": ["two words"]}), ["spec.model.servedModelNames[0]"]),
+    # issue 34: one way to size the KV cache, quantities and fractions in range
+    (with_engine(kvCacheMemory="20Gi", acceleratorMemoryUtilization=0.8),
+     ["spec.engine.kvCacheMemory", "at most one of kvCacheMemory"]),
+    (with_engine(kvCacheMb=512, kvCacheMemory="1Gi"), ["spec.engine.kvCacheMemory", "at most one of kvCacheMemory"]),
+    (with_engine(acceleratorMemoryUtilization=1.5), ["spec.engine.acceleratorMemoryUtilization"]),
+    (with_engine(kvCacheMemory="-1Gi"), ["spec.engine.kvCacheMemory"]),
+    (with_engine(kvCacheDtype="int4"), ["spec.engine.kvCacheDtype"]),
 ]
 INVALID += HARDENED
 
@@ -198,6 +207,7 @@ def test_valid_objects_are_accepted_and_defaulted(installed, namespace):
     import json
     svc = json.loads(installed.kubectl("get", "tfis", "svc", "-n", namespace, "-o", "json").stdout)
     assert svc["spec"]["engine"]["kvBlockSize"] == 16
+    assert svc["spec"]["engine"]["runtime"] == "tokenfleet"
     assert svc["spec"]["routing"]["policy"] == "prefix-aware"
     assert svc["spec"]["slicePolicy"]["restartPolicy"]["maxRestarts"] == 3
     assert svc["spec"]["warmRestart"] == {"enabled": False, "maxMegabytes": 256}
@@ -243,3 +253,18 @@ def test_applying_the_manifests_twice_changes_nothing(installed):
     assert all(line.endswith("serverside-applied") for line in out.strip().splitlines()), out
     diff = installed.kubectl("diff", "--server-side", "-k", base, check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def test_an_inference_service_keeps_its_runtime(installed, namespace):
+    # issue 32: one runtime per InferenceService; other engine fields still change as before
+    apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0", engine={"runtime": "vllm"}), namespace)
+    changed = apply(installed, isvc("engine", image="vllm/vllm-openai:v0.32.0",
+                                    engine={"runtime": "vllm", "maxNumSeqs": 64}), namespace, check=False)
+    assert changed.returncode == 0, changed.stderr
+    out = apply(installed, isvc("engine", engine={"runtime": "tokenfleet"}), namespace, check=False)
+    assert out.returncode != 0
+    assert "spec.engine.runtime" in out.stderr and "cannot change" in out.stderr, out.stderr
+    untouched = isvc("plain")
+    apply(installed, untouched, namespace)
+    untouched["spec"]["engine"] = {"maxNumSeqs": 32}          # runtime defaulted before and after
+    assert apply(installed, untouched, namespace, check=False).returncode == 0

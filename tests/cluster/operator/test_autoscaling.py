@@ -43,7 +43,8 @@ def router_url(cluster, namespace) -> str | None:
 
 def test_an_idle_service_scales_to_zero_and_a_request_brings_it_back(cluster, namespace, pod_model, tmp_path):
     install(cluster)
-    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",)).start()
+    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",),
+                  router_image="tokenfleet/serving:test").start()
     try:
         apply(cluster, autoscaled(pod_model), namespace)
         obj = wait_for("one ready replica", lambda: (o := get_json(cluster, "tfis", "zero", "-n", namespace))

@@ -1,5 +1,5 @@
-"""The operator image carries no torch (docs/images.md): every module the operator runs, the validation of the
-serving command line included, must import and work without it."""
+"""The operator image carries no torch and no vLLM (docs/images.md): every module the operator runs, the
+validation of the serving command line and the vLLM runtime's included, must import and work without them."""
 import subprocess
 import sys
 import textwrap
@@ -8,6 +8,7 @@ from pathlib import Path
 CHECK = textwrap.dedent("""
     import sys
     sys.modules["torch"] = None          # import torch now raises ImportError, as in the operator image
+    sys.modules["vllm"] = None           # and so does import vllm
     from harness.operator_samples import isvc_body
     from tokenfleet_operator.api import InferenceServiceSpec
     from tokenfleet_operator.validation import check_inference_service
@@ -21,7 +22,11 @@ CHECK = textwrap.dedent("""
     assert [p.reason for p in refused] == ["InvalidEngineArgs"] and "[1, 16]" in refused[0].message, refused
     fp8 = check_inference_service(InferenceServiceSpec.model_validate(isvc_body(engine={"quantization": "fp8"})["spec"]))
     assert [p.reason for p in fp8] == ["NotInServingImage"], fp8
+    vllm = isvc_body(image="vllm/vllm-openai:v0.32.0", engine={"runtime": "vllm", "quantization": "fp8",
+                                                                "extraArgs": ["--enforce-eager"]})
+    assert check_inference_service(InferenceServiceSpec.model_validate(vllm["spec"])) == []
     assert "torch" not in sys.modules or sys.modules["torch"] is None
+    assert "vllm" not in sys.modules or sys.modules["vllm"] is None
     print("ok")
 """)
 

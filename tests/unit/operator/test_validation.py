@@ -33,7 +33,7 @@ def test_cpu_with_several_accelerators_is_a_problem():
 
 
 def test_speculation_longer_than_the_context_is_a_problem():
-    body = isvc_body(image="vllm/vllm-openai:v0.11.0")
+    body = isvc_body(image="example.com/other-server:1")
     body["spec"]["engine"] = {"maxModelLen": 16, "speculativeDecoding": {"method": "ngram", "numSpeculativeTokens": 16}}
     [problem] = check_inference_service(InferenceServiceSpec.model_validate(body["spec"]))
     assert problem.reason == "SpeculationLongerThanContext"
@@ -60,7 +60,7 @@ def test_levers_the_bundled_server_builds_pass_and_the_others_are_problems_namin
         assert (problem.reason, problem.field) == ("NotInServingImage", "spec.engine.quantization")
         assert f"{method} quantization" in problem.message and "int8" in problem.message
         assert "spec.image" in problem.message
-    body["spec"]["image"] = "vllm/vllm-openai:v0.11.0"                   # another server may implement them
+    body["spec"]["image"] = "example.com/other-server:1"                  # another server may implement them
     assert check_inference_service(InferenceServiceSpec.model_validate(body["spec"])) == []
 
 
@@ -169,7 +169,7 @@ def test_extra_args_the_server_would_refuse_or_that_override_the_spec_are_proble
 
 
 def test_extra_args_of_another_image_are_its_own_business():
-    spec = isvc_spec(image="vllm/vllm-openai:v0.11.0", engine={"extraArgs": ["--enforce-eager", "--api-key", "x"]})
+    spec = isvc_spec(image="example.com/other-server:1", engine={"extraArgs": ["--enforce-eager", "--api-key", "x"]})
     assert check_inference_service(spec) == []
 
 
@@ -205,7 +205,7 @@ def test_tool_call_parser_reaches_the_server_and_unknown_ones_are_problems_for_t
     [problem] = check_inference_service(spec)
     assert (problem.reason, problem.field) == ("NotInServingImage", "spec.engine.toolCallParser")
     assert "hermes, llama3_json, mistral" in problem.message
-    other = isvc_body(image="vllm/vllm-openai:v0.11.0", engine={"toolCallParser": "pythonic"})
+    other = isvc_body(image="example.com/other-server:1", engine={"toolCallParser": "pythonic"})
     assert check_inference_service(InferenceServiceSpec.model_validate(other["spec"])) == []
     # extraArgs may not change what the field sets
     spec = InferenceServiceSpec.model_validate(
