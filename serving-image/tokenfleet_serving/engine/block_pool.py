@@ -72,7 +72,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        # (parent hash, token ids) of each cached block, for exporting it (prefix_checkpoint.py)
+        # (parent hash, token ids) of each cached block, for writing it to a disk tier (kv_offload.py)
         self.block_origin: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
         self.block_hits = [0] * num_blocks      # times a cached block was reused by a prefix hit
         self.num_evictions = 0

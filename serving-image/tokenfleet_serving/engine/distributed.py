@@ -335,7 +335,7 @@ def _boot_id() -> str:
 def checkpoint_identity(model_dir: str, revision: str | None = None) -> dict[str, str]:
     """What every rank's checkpoint must share with rank 0's: the revision (given, or a fingerprint of the
     weight files) and the sha256 of config.json."""
-    from .prefix_checkpoint import config_sha256, weights_fingerprint
+    from .identity import config_sha256, weights_fingerprint
 
     return {"revision": revision or weights_fingerprint(model_dir), "config_sha256": config_sha256(model_dir)}
 

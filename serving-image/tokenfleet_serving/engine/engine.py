@@ -217,7 +217,7 @@ class LLMEngine:
         self.startup_marks["kernels_ready"] = time.monotonic()
 
     def _attach_offload(self, offload: KVOffloadConfig, parallel: ParallelConfig) -> None:
-        from .prefix_checkpoint import engine_identity
+        from .identity import engine_identity
 
         if parallel.world_size > 1:
             raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "

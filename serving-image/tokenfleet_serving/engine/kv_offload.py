@@ -29,7 +29,7 @@ Disk block files (``<config hash, 16 hex>-<block hash, 64 hex>.tfkv``), little e
     sha256 of everything before it [32]
 
 The config hash is the sha256 of the identity a block's KV depends on (model config, revision, dtype, KV
-dtype, block size and layout, tensor-parallel rank and size; ``prefix_checkpoint.engine_identity``). A file is
+dtype, block size and layout, tensor-parallel rank and size; ``identity.engine_identity``). A file is
 loaded only if its checksum matches, its config hash is this engine's, its block hash is sha256(parent,
 tokens) and the name it was found under: a corrupt, foreign or forged block is never loaded (and a corrupt one
 is deleted). At start the disk tier indexes the files of its own config hash, so a replica that mounts the
