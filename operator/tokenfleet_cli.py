@@ -29,6 +29,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
                           "$/Mtok of each cost lever: batching, prefix caching, int8, speculative decoding"),
     ("bench", "lora"): ("tokenfleet_serving.bench.lora", "main",
                         "multi-LoRA: 8 adapters on one replica vs the base model and vs one replica per adapter"),
+    ("bench", "kvcache"): ("tokenfleet_serving.bench.kvcache", "main",
+                          "prefix-cache tiers: accelerator only, + host memory, + disk, + int8 KV; warm restart"),
     ("bench", "startup"): ("tokenfleet_serving.bench.startup", "main", "replica start-up phases, cold and warm"),
     ("bench", "structured"): ("tokenfleet_serving.bench.structured", "main",
                              "structured outputs: TPOT with a JSON schema vs free, grammar compile cold and cached"),

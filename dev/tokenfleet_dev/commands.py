@@ -27,4 +27,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
                             "chaos under streamed load on the local plane: failed requests, migration, recovery"),
     ("bench", "fleet"): ("tokenfleet_dev.bench.fleet", "main",
                          "autoscaling vs static replicas and W4 routing on the local plane"),
+    ("bench", "routing"): ("tokenfleet_dev.bench.routing", "main",
+                           "model routing by difficulty (TokenRoute) against all-large, all-small and an oracle"),
 }

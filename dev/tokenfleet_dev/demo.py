@@ -63,8 +63,10 @@ def demo_inference_service(name: str, model_dir: Path, real_node: bool = False) 
             "replicas": 2,
             "accelerator": {"type": "nvidia-h100-80gb", "resourceName": "nvidia.com/gpu", "countPerHost": 1,
                             "hostsPerReplica": 1, "topology": "1"},
+            # The nodes only pretend to hold an H100: the replicas run on this machine's CPU, so the KV cache
+            # is sized explicitly instead of as 0.9 of the accelerator's 80 GiB.
             "engine": {"dtype": "float32", "maxModelLen": 1024, "kvBlockSize": 16, "maxNumSeqs": 16,
-                       "maxNumBatchedTokens": 512, "enablePrefixCaching": True},
+                       "maxNumBatchedTokens": 512, "enablePrefixCaching": True, "kvCacheMemory": "64Mi"},
             "routing": {"policy": "prefix-aware"},
             "slo": {"timeToFirstTokenMs": 1000, "timePerOutputTokenMs": 200},
             "price": {"acceleratorPerHour": 2.5, "overheadPerHour": 0.4},

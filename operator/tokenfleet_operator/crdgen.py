@@ -78,7 +78,7 @@ def _collapse_any_of(node: dict[str, Any], defs: dict[str, Any], path: str) -> d
 def to_structural(node: dict[str, Any], defs: dict[str, Any], path: str, *, needs_description: bool = True) -> dict[str, Any]:
     """Translate one pydantic JSON-Schema node (and everything below it) into structural OpenAPI v3."""
     node = _resolve(node, defs)
-    if "anyOf" in node:
+    while "anyOf" in node:            # Optional[Quantity]: the optional's branch is itself int|str
         node = _collapse_any_of(node, defs, path)
         node = _resolve(node, defs)
     if "default" in node and node["default"] is None:

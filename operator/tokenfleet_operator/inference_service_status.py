@@ -5,9 +5,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfleet_operator import conditions as cond
+from tokenfleet_operator.adapter_status import CONDITION as ADAPTERS_CONDITION
+from tokenfleet_operator.adapter_status import adapters_status
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec, InferenceServiceStatus
 from tokenfleet_operator.builders.inference_service import hourly_cost, selector_string, service_url, serving_selector
 from tokenfleet_operator.naming import REVISION_LABEL, slice_index
+from tokenfleet_operator.pod_metrics import ReplicaAdapters
 from tokenfleet_operator.validation import Problem
 
 
@@ -53,6 +56,14 @@ class Scaling:
 
 
 @dataclass(frozen=True)
+class AdapterReports:
+    """What the ready serving pods report about their LoRA adapters (``adapter_status.py``)."""
+
+    replicas: dict[str, ReplicaAdapters] = field(default_factory=dict)
+    ready_pods: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Measured:
     """What the router's readings say over a window (``autoscale/measure.py``)."""
 
@@ -71,6 +82,7 @@ def compute_status(
     now: str | None = None,
     scaling: Scaling | None = None,
     measured: Measured | None = None,
+    adapter_reports: AdapterReports | None = None,
 ) -> dict[str, Any]:
     old_status = old_status or {}
     now = now or cond.now_rfc3339()
@@ -136,6 +148,10 @@ def compute_status(
         desired_conds.append(scaling.limited)
 
     cost: dict[str, Any] = {"dollarsPerHour": hourly_cost(spec, len(mine) + len(scaling.draining)), **measured.cost}
+    reports = adapter_reports or AdapterReports()
+    adapters, adapters_c = adapters_status(spec, reports.replicas, set(reports.ready_pods), cost["dollarsPerHour"])
+    if adapters_c is not None:
+        desired_conds.append(adapters_c)
     capacity = measured.capacity or (old_status.get("cost") or {}).get("capacity")
     if capacity:
         cost["capacity"] = capacity
@@ -153,16 +169,19 @@ def compute_status(
         "autoscaling": scaling.autoscaling,
         "cost": cost,
         "goodput": measured.goodput,
+        "adapters": adapters,
         "observedGeneration": generation,
-        "conditions": cond.merge(_without_stale(old_status.get("conditions"), scaling), desired_conds, now=now,
-                                 generation=generation),
+        "conditions": cond.merge(_without_stale(old_status.get("conditions"), scaling, adapters_c is not None),
+                                 desired_conds, now=now, generation=generation),
     }
     return InferenceServiceStatus.model_validate(status).to_wire()
 
 
-def _without_stale(conditions: list[dict[str, Any]] | None, scaling: Scaling) -> list[dict[str, Any]]:
-    """The old conditions, less ScalingLimited once the autoscaler is off (merge keeps other types)."""
-    return [c for c in conditions or [] if scaling.limited is not None or c.get("type") != "ScalingLimited"]
+def _without_stale(conditions: list[dict[str, Any]] | None, scaling: Scaling, adapters: bool) -> list[dict[str, Any]]:
+    """The old conditions, less ScalingLimited once the autoscaler is off and AdaptersReady once spec.adapters
+    is unset (merge keeps other types)."""
+    gone = ({"ScalingLimited"} if scaling.limited is None else set()) | (set() if adapters else {ADAPTERS_CONDITION})
+    return [c for c in conditions or [] if c.get("type") not in gone]
 
 
 def invalid_status(owner: dict[str, Any], problem: Problem, old_status: dict[str, Any] | None) -> dict[str, Any]:
@@ -181,7 +200,7 @@ def invalid_status(owner: dict[str, Any], problem: Problem, old_status: dict[str
         *progress_conditions(ready, settled=False, stalled=None if waiting else ready),
     ]
     kept = ("replicas", "readyReplicas", "updatedReplicas", "selector", "url", "slices", "cost", "goodput",
-            "modelShape")
+            "modelShape", "adapters")
     status = {k: v for k, v in old_status.items() if k in kept}
     status["observedGeneration"] = generation
     status["conditions"] = cond.merge(old_status.get("conditions"), desired, now=cond.now_rfc3339(), generation=generation)

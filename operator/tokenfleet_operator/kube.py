@@ -38,6 +38,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "InferenceService": ("inferenceservices", True),
     "Slice": ("slices", True),
     "SliceQueue": ("slicequeues", False),
+    "TokenRoute": ("tokenroutes", True),
     "Lease": ("leases", True),
 }
 

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenfleet_operator.reconcile.inference_service import reconcile_inference_service
     from tokenfleet_operator.reconcile.replica_key import ReplicaKeys
     from tokenfleet_operator.reconcile.slice import reconcile_slice
+    from tokenfleet_operator.reconcile.token_route import reconcile_token_route
 
     kopf.configure(verbose=args.verbose)  # sets up logging for Kopf and for our loggers
     log = logging.getLogger("tokenfleet")
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                               operator_namespace=args.lease_namespace,
                                               router_image=args.router_image),
         "Slice": functools.partial(reconcile_slice, policy=args.policy),
+        "TokenRoute": functools.partial(reconcile_token_route, router_image=args.router_image),
     }
     if args.policy.host_path_prefixes:
         log.info("host paths allowed under: %s", ", ".join(args.policy.host_path_prefixes))

@@ -19,6 +19,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tokenfleet"
 SERVICE_LABEL = f"{GROUP}/inference-service"
 SLICE_LABEL = f"{GROUP}/slice"
+ROUTE_LABEL = f"{GROUP}/token-route"       # the children of a TokenRoute
 MEMBER_LABEL = f"{GROUP}/member"
 ROLE_LABEL = f"{GROUP}/role"  # serve | batch | router
 LEADER_LABEL = f"{GROUP}/leader"

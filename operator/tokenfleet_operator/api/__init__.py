@@ -8,12 +8,14 @@ from tokenfleet_operator.api.common import API_VERSION, GROUP, VERSION, Conditio
 from tokenfleet_operator.api.inference_service import InferenceService, InferenceServiceSpec, InferenceServiceStatus
 from tokenfleet_operator.api.slice import Slice, SliceSpec, SliceStatus
 from tokenfleet_operator.api.slice_queue import SliceQueue, SliceQueueSpec, SliceQueueStatus
+from tokenfleet_operator.api.token_route import TokenRoute, TokenRouteSpec, TokenRouteStatus
 
-RESOURCES = (InferenceService, Slice, SliceQueue)
+RESOURCES = (InferenceService, Slice, SliceQueue, TokenRoute)
 
 __all__ = [
     "GROUP", "VERSION", "API_VERSION", "Condition", "RESOURCES",
     "InferenceService", "InferenceServiceSpec", "InferenceServiceStatus",
     "Slice", "SliceSpec", "SliceStatus",
     "SliceQueue", "SliceQueueSpec", "SliceQueueStatus",
+    "TokenRoute", "TokenRouteSpec", "TokenRouteStatus",
 ]

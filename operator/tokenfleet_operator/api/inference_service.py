@@ -9,21 +9,25 @@ from pydantic import Field
 from pydantic.json_schema import JsonDict
 
 from tokenfleet_operator.api.common import (
+    ABSOLUTE_PATH_PATTERN,
     DNS_LABEL_PATTERN,
     IMAGE_PATTERN,
     LABEL_KEY_PATTERN,
+    QUANTITY_PATTERN,
+    RELATIVE_PATH_PATTERN,
     TOPOLOGY_PATTERN,
     AcceleratorBase,
     ApiModel,
     Conditions,
     CrdInfo,
     PrinterColumn,
+    Quantity,
     Resource,
     ResourceRequirements,
     rule,
     with_rules,
 )
-from tokenfleet_operator.api.model_source import ModelSource
+from tokenfleet_operator.api.model_source import HostPathSource, ModelSource
 from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
 from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
@@ -54,6 +58,48 @@ class ModelSpec(ModelSource):
     )
 
 
+class AdapterHostPathSource(HostPathSource):
+    """An adapter in a directory on every node, mounted read-only: path is the volume (under a prefix the
+    operator allows), subPath the adapter's directory inside it."""
+
+    sub_path: str | None = Field(
+        default=None,
+        description="The adapter's directory inside path; relative, without '..'. Adapters that share a path share "
+                    "one volume, so adding one more below it changes no pod.",
+        max_length=1024, pattern=RELATIVE_PATH_PATTERN,
+    )
+
+
+class AdapterSpec(ModelSource):
+    """A LoRA adapter of the served model (PEFT's layout: adapter_config.json and adapter_model.safetensors),
+    served by every replica under its own model name. Exactly one of path, pvc or hostPath."""
+
+    name: str = Field(
+        description="The model name clients pass as 'model' for this adapter; unique among spec.adapters and "
+                    "distinct from spec.model.servedModelNames. 1-128 characters, no whitespace, not starting with "
+                    "'-'.",
+        min_length=1, max_length=128, pattern=SERVED_MODEL_NAME_PATTERN,
+    )
+    path: str | None = Field(
+        default=None,
+        description="Absolute directory inside the serving container, other than / and without '..': in the image, "
+                    "or below /models when the model comes from a pvc or hostPath (the model's own volume). Changes "
+                    "no pod when added or removed.",
+        max_length=1024, pattern=ABSOLUTE_PATH_PATTERN,
+    )
+    host_path: AdapterHostPathSource | None = Field(
+        default=None,
+        description="Load the adapter from a directory on the node, if a cluster administrator allowed it (the "
+                    "operator's --allow-host-path).",
+    )
+    hot: bool = Field(
+        default=False,
+        description="Load the adapter into every replica at once and keep it there; otherwise a replica checks its "
+                    "files when it is listed and reads it on its first request (the router prefers replicas that "
+                    "have it in memory).",
+    )
+
+
 class AcceleratorSpec(AcceleratorBase):
     """The accelerators of one replica: countPerHost on each of hostsPerReplica hosts."""
 
@@ -65,6 +111,12 @@ class AcceleratorSpec(AcceleratorBase):
         description="Accelerator topology of one replica, e.g. 2x4; its product must equal countPerHost * hostsPerReplica.",
         max_length=16,
         pattern=TOPOLOGY_PATTERN,
+    )
+    memory_per_device: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, max_length=64,
+        description="Memory of one accelerator, e.g. 80Gi. Unset: the operator's table for the type (docs/operator.md: "
+        "nvidia-h100-80gb, nvidia-h200, nvidia-a100-40gb, nvidia-l4, tpu-v5e, ...); for a type not in it the server "
+        "reads the device. The KV-cache budget of engine.acceleratorMemoryUtilization is a fraction of it.",
     )
 
 
@@ -98,6 +150,27 @@ class SpeculativeDecoding(ApiModel):
     )
 
 
+class KVOffloadSpec(ApiModel):
+    """Host-memory and disk tiers under the accelerator's prefix cache (tokenfleet serve --kv-offload-*): blocks the
+    accelerator's KV cache evicts keep their hashes and KV in host memory, then on disk, each tier a least-recently-
+    used cache of its own; a prompt whose prefix is found there gets it copied back instead of recomputed, and the
+    router prefers an accelerator hit, then a host hit, then a miss. Not with tensor parallelism above 1 yet."""
+
+    host_memory: Quantity | None = Field(
+        default=None, description="Host memory for the host tier, per replica (--kv-offload-host-mb, whole MiB); "
+        "it comes on top of the container's other memory, so raise its memory limit by as much. Unset or 0: none.")
+    disk_path: str | None = Field(
+        default=None, description="Directory of the disk tier in the serving container (--kv-offload-disk-path): a "
+        "volume the pod template mounts there. One checksummed file per block, tied to the model, revision, dtype, "
+        "KV dtype and block size; a corrupt or foreign block is never loaded, and an unwritable or full directory "
+        "switches the tier off (tokenfleet:kv_offload_tier_enabled 0) while the replica keeps serving. With "
+        "warmRestart enabled and no diskPath, the tier lives in slicePolicy.checkpoint.store, one directory per "
+        "replica member, and is the warm-restart store.", max_length=1024, pattern=r"^/[^\s$]*$")
+    disk_size: Quantity | None = Field(
+        default=None, description="Most bytes of block files the disk tier keeps (--kv-offload-disk-mb, whole MiB; "
+        "least recently used go first). Unset: 4Gi.")
+
+
 class EngineSpec(ApiModel):
     """Settings of the continuously batched engine."""
 
@@ -112,6 +185,12 @@ class EngineSpec(ApiModel):
             "engine.runtime cannot change: an InferenceService runs one runtime (its replicas and its router speak "
             "it); create another InferenceService with the other runtime, a fleet may hold both",
             field_path=".runtime",
+        ),
+        rule(
+            "[has(self.kvCacheMb), has(self.kvCacheMemory), has(self.acceleratorMemoryUtilization)]"
+            ".filter(x, x).size() <= 1",
+            "set at most one of kvCacheMemory, acceleratorMemoryUtilization and kvCacheMb: each sizes the KV cache",
+            field_path=".kvCacheMemory",
         ),
         rule(
             "self.quantization in ['none', 'int8'] || self.dtype != 'float32'",
@@ -142,9 +221,35 @@ class EngineSpec(ApiModel):
     kv_cache_mb: int | None = Field(
         default=None, description="Memory for the KV cache of each replica, in MiB (tokenfleet serve --kv-cache-mb); "
         "it bounds how many tokens of running requests and of cached prefixes a replica holds. Unset uses the "
-        "server's default (512).", ge=1, le=16777216,
+        "server's default (512). Prefer kvCacheMemory.", ge=1, le=16777216,
+    )
+    kv_cache_memory: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, max_length=64,
+        description="Memory for the KV cache of each rank (each accelerator; on CPU the replica's), e.g. 20Gi "
+        "(tokenfleet serve --kv-cache-memory-bytes, as vLLM's flag). At most one of kvCacheMemory, "
+        "acceleratorMemoryUtilization and kvCacheMb. Unset, with neither of the others: on an accelerator 0.9 of "
+        "its memory less the weights and 1 GiB of headroom (acceleratorMemoryUtilization 0.9); on CPU the same "
+        "fraction of resources.limits.memory when the replica has a memory limit, else the server's 512 MiB. A "
+        "maxModelLen whose context the budget cannot hold once is refused (reason KVCacheTooSmall).",
+    )
+    accelerator_memory_utilization: float | None = Field(
+        default=None,
+        description="Size the KV cache of each rank as this fraction of the accelerator's memory "
+        "(accelerator.memoryPerDevice, or the operator's table for accelerator.type; on CPU resources.limits.memory) "
+        "less the rank's weights and 1 GiB of headroom (tokenfleet serve --gpu-memory-utilization, vLLM's flag).",
+        gt=0, le=1,
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        default="auto",
+        description="Storage of the KV cache (tokenfleet serve --kv-cache-dtype, vLLM's flag). auto: the compute "
+        "dtype. int8: one bf16 scale per token and KV head, about half the bytes of bf16 (twice the tokens in one "
+        "budget) at a small cost in accuracy (docs/engine.md). fp8 is not implemented by the bundled serving image "
+        "(NotInServingImage); another image may.",
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+    kv_offload: KVOffloadSpec | None = Field(
+        default=None, description="Host-memory and disk tiers of the prefix cache; unset: the accelerator's KV "
+        "cache alone (with warmRestart, a disk tier in the checkpoint store).")
     quantization: Literal["none", "int8", "fp8", "awq", "gptq"] = Field(
         default="none",
         description="Weight quantization. int8: weight-only, one scale per output channel, quantized at load from the "
@@ -447,13 +552,43 @@ class InferenceServiceSpec(ApiModel):
             field_path=".engine.pipelineParallelSize",
         ),
         rule(
+            "!has(self.adapters) || self.adapters.all(a, !(a.name in self.model.servedModelNames))",
+            "adapter names must differ from model.servedModelNames (each is a model name of its own)",
+            field_path=".adapters",
+        ),
+        rule(
             "!self.warmRestart.enabled || self.engine.enablePrefixCaching",
             "warmRestart restores the prefix cache: engine.enablePrefixCaching must be true",
             field_path=".engine.enablePrefixCaching",
         ),
+        rule(
+            "!has(self.engine.kvOffload) || self.engine.enablePrefixCaching",
+            "engine.kvOffload keeps prefix-cache blocks: engine.enablePrefixCaching must be true",
+            field_path=".engine.kvOffload",
+        ),
+        rule(
+            "!has(self.engine.kvOffload) || !has(self.engine.kvOffload.diskSize) || "
+            "has(self.engine.kvOffload.diskPath) || self.warmRestart.enabled",
+            "engine.kvOffload.diskSize sizes a disk tier: set diskPath, or enable warmRestart (its store holds the tier)",
+            field_path=".engine.kvOffload.diskSize",
+        ),
     )
 
     model: ModelSpec = Field(description="The model to serve.")
+    adapters: list[AdapterSpec] | None = Field(
+        default=None,
+        description="LoRA adapters of the model, each served as a model of its own by every replica (bundled "
+        "serving image, one rank per replica). Adding or removing one restarts no replica: the operator renders them "
+        "into the ConfigMap <name>-adapters, which each replica follows within seconds (loading, registering or "
+        "unloading; requests running with a removed adapter finish first). Only a pvc claim or hostPath path no "
+        "earlier adapter used adds a volume to the pods and rolls the replicas once; so does setting this field "
+        "from unset (it turns LoRA on in the engine) or unsetting it. An empty list keeps LoRA on. Adapter size "
+        "bounds are the engine's: add --max-lora-rank, --max-loras or --max-cpu-loras to engine.extraArgs. An "
+        "adapter a replica refuses (base model mismatch, rank over --max-lora-rank, unknown target module, corrupt "
+        "files) shows in the AdaptersReady condition, naming the adapter, file and field.",
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     replicas: int = Field(default=1, description="Serving replicas; each replica is one Slice.", ge=0, le=1000)
     min_replicas: int | None = Field(
         default=None, description="Lower bound for the built-in autoscaler (default 1; 0 scales to zero when idle).",
@@ -524,6 +659,9 @@ class ModelShapeStatus(ApiModel):
     attention_heads: int = Field(description="Attention heads (num_attention_heads).", ge=0)
     key_value_heads: int = Field(description="Key/value heads (num_key_value_heads).", ge=0)
     intermediate_size: int = Field(description="Width of the MLP (intermediate_size).", ge=0)
+    head_dim: int | None = Field(default=None, description="Width of one attention head.", ge=0)
+    dtype_bytes: int | None = Field(default=None, description="Bytes per weight of the checkpoint's torch_dtype.", ge=0)
+    weight_bytes: int | None = Field(default=None, description="Bytes of the checkpoint's safetensors files.", ge=0)
 
 
 class CostStatus(ApiModel):
@@ -595,6 +733,32 @@ class AutoscalingStatus(ApiModel):
     )
 
 
+class AdapterStatus(ApiModel):
+    """One LoRA adapter of spec.adapters as the ready replicas report it (read every --collect-seconds)."""
+
+    name: str = Field(description="The adapter's model name.")
+    replicas: list[str] | None = Field(
+        default=None, description="Serving pods (one per replica) that hold the adapter in memory; the router "
+        "prefers them for its requests.")
+    serving_replicas: int = Field(default=0, description="Ready replicas that serve the adapter, in memory or read "
+                                  "again on its next request.", ge=0)
+    prompt_tokens: int = Field(default=0, description="Prompt tokens of its finished requests, summed over the "
+                               "ready replicas since each started.", ge=0)
+    generation_tokens: int = Field(default=0, description="Tokens generated with it, summed over the ready replicas "
+                                   "since each started.", ge=0)
+    token_share: float | None = Field(
+        default=None, description="Its generationTokens over every model's generated tokens on the same replicas "
+        "(base model and all adapters); absent before any token was generated.", ge=0, le=1)
+    dollars_per_hour: float | None = Field(
+        default=None, description="Its share of status.cost.dollarsPerHour: the service's cost split by generated "
+        "tokens (tokenShare * dollarsPerHour). A token of any adapter costs the same, status.cost."
+        "costPerMillionTokens.", ge=0)
+    refused: str | None = Field(
+        default=None, description="Why a replica refused the adapter: the adapter file, the field or tensor, and "
+        "the reason (a base-model mismatch, a rank over --max-lora-rank, an unknown target module, a missing or "
+        "corrupt file).")
+
+
 class InferenceServiceStatus(ApiModel):
     """Observed state of an InferenceService, written only by the operator."""
 
@@ -621,13 +785,19 @@ class InferenceServiceStatus(ApiModel):
     goodput: GoodputStatus | None = Field(default=None, description="SLO goodput over a recent window.")
     model_shape: ModelShapeStatus | None = Field(default=None, description="The model's split dimensions, once "
                                                  "read (replicas split over several ranks only).")
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters as the replicas serve them: where each is loaded, its tokens and "
+        "its share of the cost.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: Conditions | None = Field(
         default=None,
         description=(
             "Ready, SlicesReady, RouterReady and Degraded, plus kstatus' Reconciling (the operator works toward the "
             "spec) and Stalled (only a new spec or a person helps), each with a reason and a message; with the "
-            "autoscaler also ScalingLimited."
+            "autoscaler also ScalingLimited; with spec.adapters also AdaptersReady (False with reason "
+            "AdapterRefused naming the adapter, file and field of one a replica refused)."
         ),
     )
 

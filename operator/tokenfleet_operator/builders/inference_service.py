@@ -27,6 +27,7 @@ from tokenfleet_operator import conditions as cond
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.api.model_source import ModelSource
+from tokenfleet_operator.builders.adapters import adapter_volumes, adapters_configmap, lora_enabled
 from tokenfleet_operator.builders.auth import (
     NO_WIRING,
     Wiring,
@@ -150,10 +151,14 @@ def launch(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> Launc
                   price_per_replica_hour=hourly_cost(spec, 1), rendezvous_port=RENDEZVOUS_PORT)
 
 
-def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, model_dir: str, member: int = 0, with_extra_args: bool = True) -> list[str]:
     """Command line of the serving container, from the spec's runtime (``runtimes/``); ``member`` 0 is the
-    leader (the only member of a one-host replica), any other value stands for a headless member."""
-    return runtime_of(spec).command(spec, launch(spec, model_dir, member))
+    leader (the only member of a one-host replica), any other value stands for a headless member.
+    ``with_extra_args`` False leaves engine.extraArgs (which every runtime appends last) off the end: what the
+    operator itself sets."""
+    args = runtime_of(spec).command(spec, launch(spec, model_dir, member))
+    extra = len(spec.engine.extra_args or [])
+    return args[:-extra] if extra and not with_extra_args else args
 
 
 def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[dict], service: str,
@@ -183,7 +188,8 @@ def slice_spec(service: str, spec: InferenceServiceSpec, wiring: Wiring = NO_WIR
     """The Slice spec of every replica (identical across replicas)."""
     volumes, mounts, model_dir = model_storage(spec)
     draft_volumes, draft_mounts, _ = draft_model_storage(spec)
-    volumes, mounts = volumes + draft_volumes, mounts + draft_mounts
+    adapter_vols, adapter_mounts, _ = adapter_volumes(service, spec)
+    volumes, mounts = volumes + draft_volumes + adapter_vols, mounts + draft_mounts + adapter_mounts
     template_meta: dict[str, Any] = {"labels": common_labels(service)}
     if key_annotations(wiring):
         template_meta["annotations"] = key_annotations(wiring)
@@ -381,7 +387,7 @@ class Children:
 
     revision: str
     slices: tuple[dict[str, Any], ...]  # index i -> manifest of replica i at the current revision
-    others: tuple[dict[str, Any], ...]  # ConfigMap, Deployment, Services, in apply order
+    others: tuple[dict[str, Any], ...]  # ConfigMaps (adapters, router), Deployment, Services, in apply order
 
 
 def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
@@ -396,6 +402,7 @@ def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
         slices=tuple(slice_manifest(owner, spec, i, wiring)
                      for i in range(spec.replicas if replicas is None else replicas)),
         others=(
+            *([adapters_configmap(owner, spec, common_labels(name))] if lora_enabled(spec) else []),
             router_configmap(owner, spec, endpoints),
             router_deployment(owner, spec, wiring),
             router_service(owner),

@@ -29,13 +29,19 @@ def model_source_hash(spec: InferenceServiceSpec) -> str:
 
 
 def needs_model_shape(spec: InferenceServiceSpec) -> bool:
-    """Whether the replicas split the model (so its shape must be checked first) and the image can read it:
-    another image than the bundled one has no ``model-shape`` command, and its server checks for itself."""
+    """Whether the model's shape must be checked before replicas start, and the image can read it: when the
+    replicas split the model, or when engine.maxModelLen is to be checked against a KV budget the operator
+    sizes (an accelerator's, or one set by an engine field: ``kv_budget.py``). Another image than the bundled
+    one has no ``model-shape`` command, and its server checks for itself."""
     try:
         sizes = parallel_sizes(spec)
     except ValueError:
         return False                    # refused for its sizes before the shape matters
-    return sizes.world > 1 and runtime_of(spec).reads_model_shape and runs_bundled_server(spec.image)
+    eng = spec.engine
+    budget_set = (eng.kv_cache_memory is not None or eng.kv_cache_mb is not None
+                  or eng.accelerator_memory_utilization is not None or spec.accelerator.type != "cpu")
+    checks_budget = eng.max_model_len is not None and budget_set
+    return (sizes.world > 1 or checks_budget) and runtime_of(spec).reads_model_shape and runs_bundled_server(spec.image)
 
 
 def model_shape_pod_name(service: str, spec: InferenceServiceSpec) -> str:

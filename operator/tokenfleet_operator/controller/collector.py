@@ -7,7 +7,9 @@ queue and two workers; each tracked object is one item, read every ``period`` se
   kept as a ten-minute history: the replicas' load and KV usage, the requests and tokens that met the SLO,
   the tokens delivered (the denominator of the cost per token), held requests. A service scaled to zero is
   read every ``fast_period`` seconds, so that a held request brings a replica up quickly;
-- a batch Slice with checkpoints: the checkpoint its leader reports while it runs.
+- a batch Slice with checkpoints: the checkpoint its leader reports while it runs;
+- an InferenceService with spec.adapters: also each ready serving replica's adapters (loaded, refused, their
+  tokens; ``pod_metrics.adapters_from_metrics``), read in the same pass.
 
 When a value changes, the owner is queued for a reconcile (``on_change``), which writes it into status. A
 target that cannot be read is retried with a doubling delay (up to 5 minutes), so unreachable pods cost
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_operator import conditions as cond
@@ -29,7 +32,7 @@ from tokenfleet_operator.controller.cache import ObjectCache
 from tokenfleet_operator.controller.triggers import Key
 from tokenfleet_operator.controller.workqueue import WorkQueue
 from tokenfleet_operator.naming import LEADER_LABEL, ROLE_LABEL, ROUTER_PORT, SERVICE_LABEL, SLICE_LABEL
-from tokenfleet_operator.pod_metrics import checkpoint_from_metrics, fetch, metrics_url
+from tokenfleet_operator.pod_metrics import ReplicaAdapters, adapters_from_metrics, checkpoint_from_metrics, fetch, metrics_url
 from tokenfleet_serving.contract.router_metrics import RouterReading
 
 log = logging.getLogger("tokenfleet.collector")
@@ -78,6 +81,15 @@ def leader_pod(cache: ObjectCache, namespace: str, slice_name: str) -> dict[str,
     return leaders[0] if len(leaders) == 1 else None
 
 
+@dataclass(frozen=True)
+class AdapterReadings:
+    """The LoRA adapters each ready serving replica of a service reports; ``changed_at`` moves only when what
+    they report changed (the reconcile's fingerprint reads it)."""
+
+    replicas: tuple[tuple[str, ReplicaAdapters], ...]    # serving pod name -> its report
+    changed_at: float
+
+
 class Collector:
     def __init__(self, cache: ObjectCache, *, on_change: Callable[[Key], None], period: float = 10.0,
                  fast_period: float = 1.0, checkpoint_period: float = 5.0, timeout: float = 0.5, workers: int = 2):
@@ -88,6 +100,7 @@ class Collector:
         self._workers = workers
         self._lock = threading.Lock()
         self._values: dict[Key, Any] = {}
+        self._adapters: dict[Key, AdapterReadings] = {}
         self._tracked: set[Key] = set()
         self._threads: list[threading.Thread] = []
 
@@ -99,6 +112,10 @@ class Collector:
     def checkpoint(self, namespace: str, slice_name: str) -> dict[str, str] | None:
         with self._lock:
             return self._values.get(("Slice", namespace, slice_name))
+
+    def adapter_readings(self, namespace: str, service: str) -> AdapterReadings | None:
+        with self._lock:
+            return self._adapters.get(("InferenceService", namespace, service))
 
     # ---- what is read -----------------------------------------------------------------
     def track(self, key: Key) -> None:
@@ -113,6 +130,7 @@ class Collector:
         with self._lock:
             self._tracked.discard(key)
             self._values.pop(key, None)
+            self._adapters.pop(key, None)
 
     def collect(self, key: Key) -> float | None:
         """Read one target now and store what it says; returns the delay until the next read (None: stop)."""
@@ -124,6 +142,8 @@ class Collector:
             if service is None:
                 return None
             reached = self._read_routers(key, namespace, name)
+            if (service.get("spec") or {}).get("adapters") is not None:
+                self._read_adapters(key, namespace, name)
             scaled_to_zero = (service.get("status") or {}).get("desiredReplicas") == 0
             metrics.COLLECT_SECONDS.labels(kind=kind).observe(time.perf_counter() - started)
             if not reached:
@@ -164,6 +184,29 @@ class Collector:
         if before is None or _moved(before.reading, entry.reading) or before.ready_replicas != entry.ready_replicas:
             self.on_change(key)
         return True
+
+    def _read_adapters(self, key: Key, namespace: str, service: str) -> None:
+        """Read what each ready serving replica says about its adapters; the owner is queued when that
+        changed. A replica that cannot be read keeps its last report until it is no longer ready."""
+        pods = [p for p in _pods(self.cache, namespace, service, "serve")
+                if (p["metadata"].get("labels") or {}).get(LEADER_LABEL) == "true"]
+        with self._lock:
+            before = self._adapters.get(key)
+        old = dict(before.replicas) if before is not None else {}
+        now: dict[str, ReplicaAdapters] = {}
+        for pod in pods:
+            url, name = metrics_url(pod), pod["metadata"]["name"]
+            text = fetch(url, self.timeout) if url else None
+            if text is not None:
+                now[name] = adapters_from_metrics(text)
+            elif name in old:
+                now[name] = old[name]
+        replicas = tuple(sorted(now.items()))
+        if before is not None and before.replicas == replicas:
+            return
+        with self._lock:
+            self._adapters[key] = AdapterReadings(replicas, time.monotonic())
+        self.on_change(key)
 
     def _checkpoint(self, namespace: str, slice_name: str) -> tuple[dict[str, str] | None, bool]:
         pod = leader_pod(self.cache, namespace, slice_name)

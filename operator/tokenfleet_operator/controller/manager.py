@@ -37,6 +37,7 @@ from tokenfleet_operator.controller.cache import ObjectCache
 from tokenfleet_operator.controller.collector import Collector
 from tokenfleet_operator.controller.errors import InvalidSpec, RetryLater
 from tokenfleet_operator.controller.reads import Check, Fingerprint, RecordingCache, RecordingCollector
+from tokenfleet_operator.controller.route_triggers import routes_naming
 from tokenfleet_operator.controller.triggers import (
     GANG_PASS,
     PLACEMENT_FILTERED,
@@ -59,6 +60,7 @@ WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
     ("InferenceService", API_VERSION, "inferenceservices", None),
     ("Slice", API_VERSION, "slices", None),
     ("SliceQueue", API_VERSION, "slicequeues", None),
+    ("TokenRoute", API_VERSION, "tokenroutes", None),
     ("Pod", "v1", "pods", f"{MANAGED_BY_LABEL}={MANAGED_BY}"),     # Slice members and router pods
     ("Deployment", "apps/v1", "deployments", SERVICE_LABEL),
     ("ConfigMap", "v1", "configmaps", SERVICE_LABEL),
@@ -211,7 +213,7 @@ class Manager:
             self.collector.track(("Slice", meta["namespace"], meta["name"]))
         if not self.leading.is_set():
             return                       # a standby keeps its cache; the leader it becomes resyncs everything
-        keys = triggers(kind, obj)
+        keys = triggers(kind, obj) + routes_naming(self.cache, kind, obj)
         if kind == "PersistentVolumeClaim":
             ns, claim = obj["metadata"]["namespace"], obj["metadata"]["name"]
             keys = [("InferenceService", ns, s["metadata"]["name"]) for s in self.cache.list("InferenceService", ns)
@@ -299,8 +301,8 @@ class Manager:
                 listings = [self.kube.listing(api_version, kind, ns, label_selector=selector)
                             for ns in (scope or [None])]
             except KubeError as e:
-                if e.status == 404 and kind == "SliceQueue":
-                    continue      # the SliceQueue CRD is optional
+                if e.status == 404 and kind in ("SliceQueue", "TokenRoute"):
+                    continue      # the SliceQueue and TokenRoute CRDs are optional
                 raise
             versions = [v for _, v in listings]
             oldest = None if None in versions else min(v for v in versions if v is not None)
@@ -340,7 +342,7 @@ class Manager:
                     self._gang_news = True
             except KubeError as e:
                 log.warning("cannot list the cluster to resync (%s); the next resync tries again", e)
-        for kind in ("InferenceService", "Slice"):
+        for kind in ("InferenceService", "Slice", "TokenRoute"):
             for obj in self.cache.list(kind):
                 meta = obj["metadata"]
                 self.queue.add((kind, meta["namespace"], meta["name"]))

@@ -55,6 +55,9 @@ def collector_signature(collector: Collector, read: Read) -> Any:
     if op == "checkpoint":
         value = collector.checkpoint(*args)
         return None if value is None else tuple(sorted(value.items()))
+    if op == "adapter_readings":
+        readings = collector.adapter_readings(*args)
+        return None if readings is None else readings.changed_at
     raise ValueError(f"unknown collector read {op!r}")
 
 
@@ -118,6 +121,11 @@ class RecordingCollector(Collector):
         read = ("checkpoint", namespace, slice_name)
         self.reads.append((read, collector_signature(self._inner, read)))
         return self._inner.checkpoint(namespace, slice_name)
+
+    def adapter_readings(self, namespace: str, service: str) -> Any:
+        read = ("adapter_readings", namespace, service)
+        self.reads.append((read, collector_signature(self._inner, read)))
+        return self._inner.adapter_readings(namespace, service)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -10,6 +10,8 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
 - a router Deployment, ConfigMap, Service or NetworkPolicy of a service (label ``tokenfleet.dev/inference-service``): that
   service (a child changed or was deleted by someone else: apply it again); the headless Service of a Slice
   (label ``tokenfleet.dev/slice``): that Slice;
+- a TokenRoute, or a child of one (label ``tokenfleet.dev/token-route``): that route (the routes that name an
+  InferenceService or its router pods as a target come from ``route_triggers.py``, which needs the cache);
 - a Node or a SliceQueue: the gang pass (capacity or quota changed);
 - a PersistentVolumeClaim: the services that load a model from it (found by the caller, who has the
   cache: ``pvc_claims``).
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tokenfleet_operator.naming import SERVICE_LABEL, SLICE_LABEL
+from tokenfleet_operator.naming import ROUTE_LABEL, SERVICE_LABEL, SLICE_LABEL
 
 Key = tuple[str, str | None, str]
 GANG_PASS: Key = ("GangPass", None, "")
@@ -49,6 +51,10 @@ def triggers(kind: str, obj: dict[str, Any]) -> list[Key]:
     keys: list[Key] = []
     if kind == "InferenceService":
         keys.append(("InferenceService", ns, name))
+    elif kind == "TokenRoute":
+        keys.append(("TokenRoute", ns, name))
+    elif ROUTE_LABEL in labels:         # a child of a TokenRoute (its service label names no InferenceService)
+        keys.append(("TokenRoute", ns, labels[ROUTE_LABEL]))
     elif kind == "Slice":
         keys.append(("Slice", ns, name))
         if SERVICE_LABEL in labels:

@@ -26,6 +26,8 @@ from pydantic import ValidationError
 
 from tokenfleet_operator import conditions as cond
 from tokenfleet_operator import metrics
+from tokenfleet_operator.adapter_status import CONDITION as ADAPTERS_CONDITION
+from tokenfleet_operator.adapter_status import REFUSED as ADAPTER_REFUSED
 from tokenfleet_operator.api import API_VERSION
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.api.model_source import model_sources
@@ -56,6 +58,7 @@ from tokenfleet_operator.controller.errors import InvalidSpec
 from tokenfleet_operator.controller.manager import Context
 from tokenfleet_operator.inference_service_status import (
     WAITING_REASONS,
+    AdapterReports,
     Measured,
     Scaling,
     compute_status,
@@ -108,6 +111,11 @@ def write_status(ctx: Context, body: dict[str, Any], status: dict[str, Any]) -> 
             ctx.event(body, kind, t.reason, t.message)
         elif t.type in ("Degraded", "ScalingLimited") and t.new_status == "True":
             ctx.event(body, "Warning", t.reason, t.message)
+    refused_before = cond.find(old.get("conditions"), ADAPTERS_CONDITION) or {}
+    refused_now = cond.find(status["conditions"], ADAPTERS_CONDITION) or {}
+    if refused_now.get("reason") == ADAPTER_REFUSED and (refused_before.get("reason"), refused_before.get("message")) \
+            != (refused_now.get("reason"), refused_now.get("message")):
+        ctx.event(body, "Warning", ADAPTER_REFUSED, refused_now.get("message", ""))
 
 
 def _serving_pods(ctx: Context, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -462,6 +470,7 @@ def write_service_status(p: ServicePass, replicas: Replicas, children: Children,
         deployment_ready_replicas(live.get("Deployment")), old_status=old_status,
         scaling=Scaling(replicas.count, replicas.autoscaling, replicas.limited, replicas.drain.draining),
         measured=_measure(p.ctx, spec, len(states), replicas.history, old_status),
+        adapter_reports=_adapter_reports(p.ctx, spec, p.namespace, p.name),
     )
     if p.shape.status is not None:
         status["modelShape"] = p.shape.status
@@ -491,6 +500,14 @@ def next_pass(p: ServicePass, replicas: Replicas) -> float | None:
     if p.valid_spec.max_replicas is not None or replicas.draining:
         return AUTOSCALE_SECONDS
     return None
+
+
+def _adapter_reports(ctx: Context, spec: InferenceServiceSpec, namespace: str, name: str) -> AdapterReports | None:
+    if spec.adapters is None:
+        return None
+    readings = ctx.collector.adapter_readings(namespace, name)
+    return AdapterReports(dict(readings.replicas) if readings is not None else {},
+                          frozenset(ready_serving_pods(ctx.cache, namespace, name)))
 
 
 def _leader_pod_name(slice_name: str) -> str:

@@ -53,8 +53,8 @@ def model_shape_step(ctx: Context, owner: dict[str, Any], spec: InferenceService
     if recorded.get("source") == source:
         return ShapeStep(_shape(recorded), recorded)
     reading = Problem("ReadingModel", "spec.model",
-                      f"reading the model's shape in pod {name} before starting replicas that split it over "
-                      "several ranks")
+                      f"reading the model's shape in pod {name} before starting replicas (to check how it splits "
+                      "over ranks, and that engine.maxModelLen fits the KV cache)")
     pod = ctx.cache.get("Pod", namespace, name)
     if pod is None:
         try:
@@ -81,4 +81,6 @@ def model_shape_step(ctx: Context, owner: dict[str, Any], spec: InferenceService
 
 def _shape(entry: dict[str, Any]) -> ModelShape:
     return ModelShape(layers=entry["layers"], attention_heads=entry["attentionHeads"],
-                      kv_heads=entry["keyValueHeads"], intermediate_size=entry["intermediateSize"])
+                      kv_heads=entry["keyValueHeads"], intermediate_size=entry["intermediateSize"],
+                      head_dim=entry.get("headDim"), dtype_bytes=entry.get("dtypeBytes"),
+                      weight_bytes=entry.get("weightBytes"))

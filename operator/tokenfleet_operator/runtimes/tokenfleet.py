@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenfleet_operator.api.common import quantity_value
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
+from tokenfleet_operator.builders.adapters import lora_args
+from tokenfleet_operator.kv_budget import kv_budget
 from tokenfleet_operator.runtimes.base import (
     STARTUP_FAILURES,
     STARTUP_PERIOD_S,
@@ -56,6 +59,27 @@ def warm_restart_args(spec: InferenceServiceSpec) -> list[str]:
             "--prefix-checkpoint-max-mb", str(spec.warm_restart.max_megabytes)]
 
 
+def _mebibytes(quantity: int | str) -> int:
+    value = quantity_value(quantity) or 0
+    return max(1, int(value // 2**20)) if value > 0 else 0
+
+
+def kv_offload_args(spec: InferenceServiceSpec) -> list[str]:
+    """The server's KV offload flags (engine.kvOffload). With warmRestart and no diskPath the server keeps its disk
+    tier in the checkpoint store (``--prefix-checkpoint-dir``/its name), which diskSize then bounds."""
+    offload = spec.engine.kv_offload
+    if offload is None:
+        return []
+    args: list[str] = []
+    if offload.host_memory is not None and _mebibytes(offload.host_memory):
+        args += ["--kv-offload-host-mb", str(_mebibytes(offload.host_memory))]
+    if offload.disk_path is not None:
+        args += ["--kv-offload-disk-path", offload.disk_path]
+    if offload.disk_size is not None:
+        args += ["--kv-offload-disk-mb", str(max(1, _mebibytes(offload.disk_size)))]
+    return args
+
+
 class TokenfleetRuntime(Runtime):
     name = "tokenfleet"
     router_backend = "tokenfleet"
@@ -73,8 +97,9 @@ class TokenfleetRuntime(Runtime):
             args += ["--max-model-len", str(eng.max_model_len)]
         if eng.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-        if eng.kv_cache_mb is not None:
-            args += ["--kv-cache-mb", str(eng.kv_cache_mb)]
+        args += list(kv_budget(spec).flags)
+        if eng.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", eng.kv_cache_dtype]
         if not eng.enable_prefix_caching:
             args.append("--no-prefix-caching")
         if eng.quantization != "none":
@@ -89,7 +114,9 @@ class TokenfleetRuntime(Runtime):
         if launch.price_per_replica_hour > 0:
             args += ["--price-per-hour", f"{launch.price_per_replica_hour:g}"]
         args += warm_restart_args(spec)
+        args += kv_offload_args(spec)
         args += parallel_args(launch)
+        args += lora_args(spec)
         args += list(eng.extra_args or [])
         return args
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tokenfleet_operator.api.common import quantity_value
 from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.runtimes.base import (
     STARTUP_FAILURES,
@@ -48,10 +49,11 @@ QUANTIZATIONS = {"fp8": "fp8", "awq": "awq", "gptq": "gptq", "int8": "int8_per_c
 # added to EngineSpec is neither until it is written here: a unit test holds the two together, so that no field
 # is silently dropped for vLLM.
 FLAG_FIELDS = frozenset({"runtime", "dtype", "max_model_len", "kv_block_size", "max_num_batched_tokens",
-                         "max_num_seqs", "kv_cache_mb", "enable_prefix_caching", "quantization",
+                         "max_num_seqs", "kv_cache_mb", "kv_cache_memory", "accelerator_memory_utilization",
+                         "kv_cache_dtype", "enable_prefix_caching", "quantization",
                          "speculative_decoding", "tensor_parallel_size", "pipeline_parallel_size", "tool_call_parser",
                          "extra_args"})
-REFUSED_FIELDS: frozenset[str] = frozenset()
+REFUSED_FIELDS: frozenset[str] = frozenset({"kv_offload"})
 
 # Multi-host replicas on vLLM: its multi-node mode (torch.distributed over the Slice's headless Service). Set to
 # False to refuse hostsPerReplica > 1 with a condition, should the vLLM build in use not run it.
@@ -72,7 +74,7 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag("--max-num-batched-tokens", "spec.engine.maxNumBatchedTokens"),
     OwnedFlag("--enable-prefix-caching", "spec.engine.enablePrefixCaching", ("--no-enable-prefix-caching",)),
     OwnedFlag("--block-size", "spec.engine.kvBlockSize"),
-    OwnedFlag("--kv-cache-memory-bytes", "spec.engine.kvCacheMb"),
+    OwnedFlag("--kv-cache-memory-bytes", "spec.engine.kvCacheMemory (or kvCacheMb)"),
     OwnedFlag("--quantization", "spec.engine.quantization", ("-q",)),
     OwnedFlag("--speculative-config", "spec.engine.speculativeDecoding", ("-sc",)),
     OwnedFlag("--tool-call-parser", "spec.engine.toolCallParser"),
@@ -144,8 +146,14 @@ class VllmRuntime(Runtime):
             args += ["--max-model-len", str(eng.max_model_len)]
         if eng.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
-        if eng.kv_cache_mb is not None:
+        if eng.kv_cache_memory is not None:
+            args += ["--kv-cache-memory-bytes", str(int(quantity_value(eng.kv_cache_memory) or 0))]
+        elif eng.kv_cache_mb is not None:
             args += ["--kv-cache-memory-bytes", str(eng.kv_cache_mb * 1024 * 1024)]
+        elif eng.accelerator_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{eng.accelerator_memory_utilization:g}"]
+        if eng.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", eng.kv_cache_dtype]
         args.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
         if eng.quantization != "none":
             args += ["--quantization", QUANTIZATIONS.get(eng.quantization, eng.quantization)]
@@ -202,6 +210,14 @@ class VllmRuntime(Runtime):
             problems.append(not_supported(
                 NAME, "spec.engine.quantization", f"does not list quantization {spec.engine.quantization}; it "
                 f"takes {', '.join(sorted(QUANTIZATIONS))}"))
+        if spec.engine.kv_cache_dtype == "int8":
+            problems.append(not_supported(
+                NAME, "spec.engine.kvCacheDtype", "has no int8 KV cache (its --kv-cache-dtype takes auto, bfloat16 "
+                "and the fp8 variants); set kvCacheDtype to fp8 or auto, or use the tokenfleet runtime"))
+        if spec.engine.kv_offload is not None:
+            problems.append(not_supported(
+                NAME, "spec.engine.kvOffload", "has no host-memory or disk tier configured by this operator (vLLM "
+                "offloads through a KV connector such as LMCache, which extraArgs may set); remove kvOffload"))
         if spec.accelerator.hosts_per_replica > 1 and not MULTI_HOST:
             problems.append(not_supported(
                 NAME, "spec.accelerator.hostsPerReplica", "cannot run a replica over several hosts with this "
@@ -217,6 +233,14 @@ def extra_args_problems(spec: InferenceServiceSpec) -> list[Problem]:
                                                                        "print it and exit instead of serving")]
     hit = extra_args_collision(extra)
     if hit is None:
+        # flags vLLM users pass in extraArgs, which the operator sets only when their field is set
+        eng = spec.engine
+        for flag, field, is_set in (("--gpu-memory-utilization", "spec.engine.acceleratorMemoryUtilization",
+                                     eng.accelerator_memory_utilization is not None),
+                                    ("--kv-cache-dtype", "spec.engine.kvCacheDtype", eng.kv_cache_dtype != "auto")):
+            if is_set and any(_flag_name(t) == flag for t in extra):
+                return [Problem("ExtraArgsCollision", "spec.engine.extraArgs",
+                                f"{flag} is set by {field}; set it there or in extraArgs, not both")]
         return []
     token, owned = hit
     shown = owned.flag if _flag_name(token) == owned.flag else f"{token} ({owned.flag})"

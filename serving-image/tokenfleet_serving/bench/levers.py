@@ -9,7 +9,13 @@ workload:
 * + int8 weights, on WS;
 * + speculative decoding (prompt lookup), on W5 at batch 1, 4 and 16: extractive requests whose answers copy
   spans of their prompt, served by a Llama of the reference model's size whose first two layers copy by
-  construction (``copy_task.py``), int8 weights computed in fp32 (``W5_DTYPE``).
+  construction (``copy_task.py``), int8 weights computed in fp32 (``W5_DTYPE``);
+* + a host-memory tier under the prefix cache, and + int8 KV (where this build has ``--kv-cache-dtype``), on
+  ``bench kvcache``'s workload (WT: 16 shared 1,024-token prefixes, the accelerator tier holds 3), each
+  against the accelerator tier alone.
+* + an int8 KV cache, on WL (16 requests of 1,984 prompt + 64 output tokens at once, fp32) with a KV budget of
+  four 2,048-token contexts in fp32: the int8 cache holds more of them at once (``kv_quality.py``
+  also reports its quality against the model dtype's cache and the concurrency it buys at 1 GiB).
 
 Workloads (seeded): WM, 48 requests of 32-256 prompt and 16-192 output tokens, at most 16 at once; WS,
 32 requests of the shared prefix + 32 tokens, 32 output tokens; W5, documents of 96-160 tokens whose answers
@@ -68,12 +74,14 @@ class Scale:
     rounds: int = 2
     w1_rounds: int = 4                                # W1's ratios: the median of this many paired rounds
     quality_sequences: int = 64                       # x 64 positions each (KL: 4,096); 8 x 128 greedy tokens
+    wl: tuple[int, int, int] = (16, 1984, 64)         # WL: requests, prompt, output (long contexts, int8 KV)
+    wl_contexts: int = 4                              # WL's KV budget: this many 2,048-token contexts in the dtype
 
 
 FULL = Scale()
 QUICK = Scale(wm_requests=24, wm_prompt=(32, 128), wm_output=(16, 96), ws_requests=16, ws_prefix=256,
               w1=(32, 64, 64), w5_batches=(1, 4, 16), w5_max_tokens=64, decode_tokens=48, rounds=1,
-              w1_rounds=1, quality_sequences=16)
+              w1_rounds=1, quality_sequences=16, wl=(8, 1984, 32))
 
 
 @dataclass
@@ -120,6 +128,13 @@ def w1(vocab: int, scale: Scale = FULL, seed: int = 3) -> tuple[list[list[int]],
 
 
 # ---- runners ---------------------------------------------------------------------------------------------
+def wl(vocab: int, scale: Scale = FULL, seed: int = 6) -> tuple[list[list[int]], list[int]]:
+    """WL: long contexts (1,984 prompt + 64 output tokens), all at once, for the int8 KV row."""
+    n, prompt, output = scale.wl
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(prompt)] for _ in range(n)], [output] * n
+
+
 def run_engine(eng: LLMEngine, label: str, prompts: list[list[int]], lengths: list[int] | None,
                concurrency: int | None = None, max_tokens: int = 96) -> Run:
     """Serve ``prompts`` (``concurrency`` in flight, all at once when None); ``lengths``: exact output tokens
@@ -325,6 +340,36 @@ def decode_speed(engines: dict[str, LLMEngine], vocab: int, batch: int, rounds: 
     return best
 
 
+def kv_tier_rows(price: float, work: Path, scale: Scale, log) -> list[dict]:
+    """The KV cache's tiers on WT (``bench kvcache``'s workload and engines): the accelerator tier alone, + a host
+    tier, + int8 KV on top when this build has it."""
+    from . import kvcache
+
+    log("rows 8-9: KV cache tiers on WT")
+    requests = 32 if scale == FULL else 12
+    args = argparse.Namespace(concurrency=2, host_mb=320, disk_mb=1024, threads=None)
+    model = kvcache.create_random_checkpoint(work / "kvcache-model", **kvcache.MODEL, seed=5)
+    bench = kvcache.Bench(args, model, work)
+    wt = kvcache.Workload.make(requests)
+    configs = [("hbm_only", "KV cache: accelerator tier only"), ("host_tier", "+ host-memory tier (KV offload)")]
+    if kvcache.has_kv_cache_dtype():
+        configs.append(("int8_kv", "+ int8 KV (host and disk tiers)"))
+    runs: list[Run] = []
+    for name, label in configs:
+        eng = bench.config_engine(name, work / f"kvcache-disk-{name}")
+        try:
+            kvcache.serve(eng, wt.warmup, 1, f"{name}-warm")
+            r = kvcache.serve(eng, wt.measured, args.concurrency, name)
+        finally:
+            eng.close()
+        runs.append(Run(label, r["tokens"], r["seconds"], r["ttft"], [],
+                        {"ttft_p95_s": round(kvcache.percentile(r["ttft"], 0.95), 4)}))
+    out = [runs[0].row(price) | {"workload": "WT"}]
+    for prev, run in zip(runs, runs[1:]):
+        out.append(run.row(price) | {"workload": "WT", "vs_previous": round(run.tokens_per_second / prev.tokens_per_second, 3)})
+    return out
+
+
 def measure(price: float, model_dir: Path | None, work: Path, train_seconds: float, draft_seconds: float,
             log, scale: Scale = FULL) -> dict:
     result: dict = {"price_per_hour": price, "hardware": hardware(), "loadavg_start": os.getloadavg(),
@@ -457,7 +502,32 @@ def measure(price: float, model_dir: Path | None, work: Path, train_seconds: flo
     sd = w1_engines["ngram"].stats().spec_decode
     result["ngram_w1_steps"] = {"speculated": sd.num_steps_speculated, "declined": sd.num_steps_declined} if sd else None
     del w1_engines
+    rows += kv_tier_rows(price, work, scale, log)
     result.update(int8_quality(model_dir, vocab, scale.quality_sequences))
+
+    log("row 11: int8 KV cache on WL (long contexts at a fixed KV budget), its quality and capacity")
+    from . import kv_quality
+    prompts, lengths = wl(vocab, scale)
+    probe = engine(model_dir, kv_cache_bytes=1 << 20, dtype="float32")
+    budget = scale.wl_contexts * -(-2048 // probe.kv.block_size) * probe.runner.kv_block_bytes(probe.kv.block_size)
+    del probe
+    # fp32 (as W5's rows): the compiled kernels read the int8 cache in place; bf16 and fp16 run the PyTorch path,
+    # which dequantizes every gathered block (correct, not fast)
+    wl_kw = dict(kv_cache_bytes=budget, max_num_seqs=MAX_BATCH, max_num_batched_tokens=2048, dtype="float32")
+    full_kv = run_engine(engine(model_dir, **wl_kw), "paged KV in the model dtype", prompts, lengths)
+    int8_kv = run_engine(engine(model_dir, **wl_kw, kv_cache_dtype="int8"), "+ int8 KV cache", prompts, lengths)
+    rows += [int8_kv.row(price) | {"workload": f"WL, KV budget {budget >> 20} MiB",
+                                   "vs_previous": round(int8_kv.tokens_per_second / full_kv.tokens_per_second, 3),
+                                   "without": full_kv.row(price)}]
+    result["int8_kv_wl_ratio"] = round(int8_kv.tokens_per_second / full_kv.tokens_per_second, 3)
+    q = kv_quality.kv_quality(model_dir, vocab, scale.quality_sequences)
+    result["int8_kv_reference"] = q
+    result["int8_kv_mean_kl"], result["int8_kv_max_abs_logit_diff"] = q["mean_kl"], q["max_abs_logit_diff"]
+    g = greedy_agreement(*(engine(target_dir, dtype="float32", kv_cache_bytes=128 << 20, kv_cache_dtype=kv)
+                           for kv in ("auto", "int8")), w5[-8:], 128 if scale == FULL else 64, 0.01)
+    result["int8_kv_w5"], result["int8_kv_greedy_agreement_w5"] = g, g["agreement"]
+    cap = kv_quality.capacity(model_dir, vocab, "bfloat16", confirm=False)
+    result["int8_kv_capacity_bfloat16"], result["concurrent_seqs_ratio_int8"] = cap, cap["ratio"]
     result["int8_copy_model_greedy"] = int8_copy_model_agreement(target_dir, w5[-8:], 128 if scale == FULL else 64)
     result["rows"] = rows
     result["loadavg_end"] = os.getloadavg()
@@ -477,7 +547,8 @@ def table(result: dict) -> str:
     keys = ("ngram_speedup_batch1", "ngram_speedup_batch4", "ngram_speedup_batch16", "ngram_acceptance_rate",
             "ngram_w1_ratio", "draft_speedup_batch1", "int8_speedup_batch1", "int8_speedup_batch4", "int8_w1_ratio",
             "int8_weight_bytes_ratio", "int8_greedy_agreement", "int8_greedy_agreement_outside_near_ties",
-            "int8_mean_kl", "int8_max_abs_logit_diff")
+            "int8_mean_kl", "int8_max_abs_logit_diff", "int8_kv_wl_ratio", "int8_kv_mean_kl",
+            "int8_kv_max_abs_logit_diff", "int8_kv_greedy_agreement_w5", "concurrent_seqs_ratio_int8")
     lines += [f"{k}: {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))]
     return "\n".join(lines)
 

@@ -6,7 +6,8 @@ rank processes with an equal share each. Reported:
 * W1 (64 requests x 128 prompt x 128 output tokens, greedy, the ``bench engine`` reference model) output
   tokens/s at each tp, and the greedy agreement and largest |logit difference| of tp=2 against tp=1;
 * weight bytes and KV blocks per rank at one per-rank KV budget (so blocks per replica);
-* time in collectives (the batch broadcast, the all-reduces, the logits gather) per step of W1 at tp=2;
+* time in collectives (the batch broadcast, the all-reduces, the logits gather) per decode step of W1 at tp=2
+  (and per step, prefill steps included);
 * TTFT and TPOT p50 under Poisson arrivals at a moderate rate (the same rate for every tp);
 * the largest Llama-3 family model whose bf16 weights and a KV reserve fit a stated per-rank memory budget
   at each tp (arithmetic, with the engine's own split rules).
@@ -183,13 +184,14 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
             logits[tp] = probe_logits(engine, probe)
             runs = []
             for _ in range(max(1, args.repeats)):
-                group = engine.group
+                group, runner = engine.group, engine.runner
                 c0 = group.collective_seconds if group else 0.0
-                s0 = engine.runner.steps
+                s0, d0, dc0 = runner.steps, runner.decode_steps, runner.decode_collective_seconds
                 out, seconds = greedy(engine, prompts, args.output_len)
-                steps = engine.runner.steps - s0
-                runs.append((seconds, out, ((group.collective_seconds if group else 0.0) - c0) / max(steps, 1)))
-            seconds, out, coll = min(runs, key=lambda r: r[0])
+                steps, decodes = runner.steps - s0, runner.decode_steps - d0
+                runs.append((seconds, out, ((group.collective_seconds if group else 0.0) - c0) / max(steps, 1),
+                             (runner.decode_collective_seconds - dc0) / max(decodes, 1)))
+            seconds, out, coll, decode_coll = min(runs, key=lambda r: r[0])
             outputs[tp] = out
             tok_s = args.requests * args.output_len / seconds
             if rate is None:    # moderate: a third of what tp=1 sustains, the same for every tp
@@ -202,7 +204,7 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
                 "w1_tokens_per_second_runs": [args.requests * args.output_len / r[0] for r in runs],
                 "weight_bytes_per_rank": engine.runner.weight_bytes(), "kv_blocks_per_rank": engine.kv.pool.num_blocks,
                 "kv_blocks_per_replica": engine.kv.pool.num_blocks,   # every rank holds a slice of every block
-                "collective_seconds_per_step": coll, **lat}
+                "collective_seconds_per_step": coll, "collective_seconds_per_decode_step": decode_coll, **lat}
         finally:
             engine.close()
     by = result["by_tp"]
@@ -214,7 +216,7 @@ def run(model_dir: Path, tps: list[int], cores: int, args) -> dict:
             tp2_w1_ratio=two["w1_tokens_per_second"] / one["w1_tokens_per_second"],
             weight_bytes_per_rank_ratio_tp2=two["weight_bytes_per_rank"] / one["weight_bytes_per_rank"],
             kv_blocks_per_replica_ratio_tp2=two["kv_blocks_per_replica"] / one["kv_blocks_per_replica"],
-            allreduce_seconds_per_step_tp2=two["collective_seconds_per_step"],
+            allreduce_seconds_per_step_tp2=two["collective_seconds_per_decode_step"],
             greedy_agreement_tp2=agree,
             max_abs_logit_diff_tp2=float((logits[2] - logits[1]).abs().max()))
     budget = args.budget_gib * 2**30
@@ -274,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     result["hardware"]["loadavg_1m_end"] = os.getloadavg()[0]
     Path(args.json).write_text(json.dumps(result, indent=2))
     rows = [(name, f"{v['w1_tokens_per_second']:.1f}", v["weight_bytes_per_rank"], v["kv_blocks_per_replica"],
-             f"{v['collective_seconds_per_step'] * 1e3:.2f}", f"{v['ttft_p50_s'] * 1e3:.0f}",
+             f"{v['collective_seconds_per_decode_step'] * 1e3:.2f}", f"{v['ttft_p50_s'] * 1e3:.0f}",
              f"{v['tpot_p50_s'] * 1e3:.1f}") for name, v in result["by_tp"].items()]
-    print(f"{'config':8} {'W1 tok/s':>9} {'weight B/rank':>14} {'KV blocks':>10} {'coll ms/step':>13} "
+    print(f"{'config':8} {'W1 tok/s':>9} {'weight B/rank':>14} {'KV blocks':>10} {'coll ms/decode':>15} "
           f"{'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
     for r in rows:
-        print(f"{r[0]:8} {r[1]:>9} {r[2]:>14} {r[3]:>10} {r[4]:>13} {r[5]:>12} {r[6]:>12}")
+        print(f"{r[0]:8} {r[1]:>9} {r[2]:>14} {r[3]:>10} {r[4]:>15} {r[5]:>12} {r[6]:>12}")
     for key in ("tp2_w1_ratio", "weight_bytes_per_rank_ratio_tp2", "kv_blocks_per_replica_ratio_tp2",
                 "allreduce_seconds_per_step_tp2", "greedy_agreement_tp2", "max_abs_logit_diff_tp2"):
         if key in result:

@@ -15,7 +15,8 @@ read them.
      "migrationLimit": 3,                      # optional: moves of one broken stream to another replica
      "noReplicaHoldSeconds": 30,               # optional: how long a request waits while no replica is ready
      "tiers": [{"name": "small", "model": "llama-1b", "maxPromptTokens": 512, "maxOutputTokens": 256},
-               {"name": "large", "model": "llama-70b"}]}   # optional difficulty tiers, cheapest first
+               {"name": "large", "model": "llama-70b"}],   # optional difficulty tiers, cheapest first
+     "route": {...}}                           # optional: route mode (a TokenRoute's router; route_files.py)
 
 ``endpoints.json`` (same ConfigMap, rewritten by the operator whenever the serving pods change, not part of
 the config hash, re-read by the router)::
@@ -35,6 +36,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tokenfleet_serving.contract.route_files import RouteConfig, parse_route, route_json
 
 POLICIES = ("round-robin", "least-load", "prefix-aware", "kv-aware")
 DEFAULT_TIER = "default"
@@ -106,6 +109,7 @@ class RouterConfig:
     scale_from_zero: ScaleFromZero | None = None
     migration_limit: int = 3        # a stream cut mid-way moves to another replica at most this often (0: never)
     no_replica_hold_s: float = 30.0  # a request that finds no ready replica waits this long for one (0: 503 at once)
+    route: RouteConfig | None = None  # route mode: a TokenRoute's router over other services' routers (route_files.py)
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,7 @@ class _Fields:
 
 ROUTER_KEYS = ("service", "namespace", "models", "policy", "sessionAffinity", "kvBlockSize", "modelPath", "price",
                "slo", "scaleFromZero", "loadFactor", "loadSlack", "kvUsageThreshold", "tiers", "migrationLimit",
-               "noReplicaHoldSeconds")
+               "noReplicaHoldSeconds", "route")
 
 
 def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
@@ -266,6 +270,7 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
         ) if "scaleFromZero" in f.obj else None,
         migration_limit=f.integer("migrationLimit", 3, 0, 100),
         no_replica_hold_s=f.number("noReplicaHoldSeconds", 30.0, 0.0, 3600.0),
+        route=parse_route(f.sub("route")) if f.obj.get("route") is not None else None,
     )
 
 
@@ -329,6 +334,8 @@ def router_config_json(c: RouterConfig) -> dict[str, Any]:
     if c.scale_from_zero is not None:
         out["scaleFromZero"] = {"maxPendingRequests": c.scale_from_zero.max_pending,
                                 "pendingTimeoutSeconds": c.scale_from_zero.timeout_s}
+    if c.route is not None:
+        out["route"] = route_json(c.route)
     if c.tiers != (Tier(DEFAULT_TIER),):
         out["tiers"] = [_drop_none({"name": t.name, "model": t.model, "maxPromptTokens": t.max_prompt_tokens,
                                     "maxOutputTokens": t.max_output_tokens}) for t in c.tiers]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 ROOT_HASH = bytes(32)
 
@@ -72,10 +72,13 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        # (parent hash, token ids) of each cached block, for exporting it (prefix_checkpoint.py)
+        # (parent hash, token ids) of each cached block, for writing it to a disk tier (kv_offload.py)
         self.block_origin: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
         self.block_hits = [0] * num_blocks      # times a cached block was reused by a prefix hit
         self.num_evictions = 0
+        # called with (block, hash, (parent, tokens)) of cached blocks about to be reused, while their KV is
+        # still in the pool (kv_offload.py keeps it in a lower tier)
+        self.on_evict: Callable[[list[tuple[int, bytes, tuple[bytes, tuple[int, ...]]]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -104,10 +107,14 @@ class BlockPool:
         if n > len(self.free):
             raise RuntimeError(f"cannot allocate {n} blocks, {len(self.free)} free")
         out = []
+        evicted: list[tuple[int, bytes, tuple[bytes, tuple[int, ...]]]] = []
         for _ in range(n):
             b, _ = self.free.popitem(last=False)
             old = self.block_hash[b]
             if old is not None:
+                origin = self.block_origin[b]
+                if origin is not None:
+                    evicted.append((b, old, origin))
                 del self.cached[old]
                 self.block_hash[b] = None
                 self.block_origin[b] = None
@@ -115,7 +122,16 @@ class BlockPool:
                 self.num_evictions += 1
             self.ref_cnt[b] = 1
             out.append(b)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Hold blocks (so an allocation cannot evict them) without counting a prefix hit; ``release`` undoes."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free[b]
+            self.ref_cnt[b] += 1
 
     def cache(self, block_id: int, block_hash: bytes,
               origin: tuple[bytes, tuple[int, ...]] | None = None) -> None:

@@ -10,7 +10,10 @@
   which beats oneDNN on the few-row matmuls of decoding;
 * prefill attention over the pool for every chunk of 2+ tokens of a step (AVX2 + FMA builds only);
 * the linear layers' matmul over int8 weights with a per-output-channel scale (weight-only quantization,
-  ``quantization.py``), computed in fp32: AVX2 + FMA tiles, and a portable loop for other builds.
+  ``quantization.py``), computed in fp32: AVX2 + FMA tiles, and a portable loop for other builds;
+* an int8 KV cache (``kv_quant.py``): the KV write quantizes (the same bits as ``kv_quant.quantize``), the
+  decode attention widens int8 keys and values in registers and folds their scales into the scores and
+  weights, the prefill attention widens them while it packs its key and value panels.
 
 ``huge_page_zeros`` allocates the KV pool in transparent huge pages, for the decode kernel's scattered reads.
 
@@ -118,7 +121,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the kernels' C signatures on a loaded library."""
     lib.tf_paged_decode_attention.restype = ctypes.c_int
     lib.tf_paged_decode_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
-                                              _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64]
+                                              _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR, _PTR]
     lib.tf_rms_norm.restype = None
     lib.tf_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32]
     lib.tf_gemm_available.restype = ctypes.c_int
@@ -131,15 +134,19 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tf_gemm_int8.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR]
     lib.tf_write_kv.restype = None
     lib.tf_write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    lib.tf_write_kv_int8.restype = None
+    lib.tf_write_kv_int8.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     lib.tf_rope.restype = None
     lib.tf_rope.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
     lib.tf_silu_mul.restype = None
     lib.tf_silu_mul.argtypes = [_PTR, _I64, _I64, _PTR]
     lib.tf_prefill_attention.restype = ctypes.c_int
     lib.tf_prefill_attention.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                                         _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
+                                         _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR]
     lib.tf_decoder_layers.restype = ctypes.c_int
-    lib.tf_decoder_layers.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]
+    lib.tf_decoder_layers.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.tf_comm_sum.restype = ctypes.c_int
+    lib.tf_comm_sum.argtypes = [_PTR, _PTR, _PTR, _I64]
     return lib
 
 
@@ -201,15 +208,32 @@ def _within(index: torch.Tensor, known: tuple[int, int] | None, limit: int) -> b
     return 0 <= low <= high < limit
 
 
+def _cache_layers(k_layer: torch.Tensor, v_layer: torch.Tensor, k_scales: torch.Tensor | None,
+                  v_scales: torch.Tensor | None) -> tuple[int | None, int | None]:
+    """Check one layer's keys and values (fp32; or int8 with bf16 scales [kv_heads, blocks, block_size]) and
+    return the scales' addresses (None for fp32)."""
+    if k_scales is None and v_scales is None:
+        _require(k_layer.dtype == v_layer.dtype == torch.float32, "fp32 cache layers")
+        return None, None
+    _require(k_scales is not None and v_scales is not None and k_layer.dtype == v_layer.dtype == torch.int8
+             and k_scales.dtype == v_scales.dtype == torch.bfloat16 and k_scales.is_contiguous()
+             and v_scales.is_contiguous() and k_scales.shape == v_scales.shape == k_layer.shape[:3],
+             "int8 cache layers with contiguous bf16 scales, one per slot")
+    assert k_scales is not None and v_scales is not None
+    return k_scales.data_ptr(), v_scales.data_ptr()
+
+
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                            tables: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
-                           scale: float) -> None:
+                           scale: float, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> None:
     """Write attention of ``q`` [seqs, heads, head_dim] (fp32, rows may be strided) into ``out``
     [seqs, heads * head_dim] over ``tables`` [seqs, width] and ``lens`` [seqs] (int64, contiguous;
-    ``max_len`` >= every length)."""
+    ``max_len`` >= every length). An int8 cache comes with its scales (``kv_quant.py``)."""
     seqs, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_layer.shape
-    _require(q.dtype == out.dtype == k_layer.dtype == v_layer.dtype == torch.float32, "fp32 tensors")
+    _require(q.dtype == out.dtype == torch.float32, "fp32 queries and output")
+    ks, vs = _cache_layers(k_layer, v_layer, k_scales, v_scales)
     _require(q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == 1, "contiguous query/output rows")
     _require(k_layer.is_contiguous() and v_layer.is_contiguous() and v_layer.shape == k_layer.shape,
              "contiguous cache layers of one shape")
@@ -218,7 +242,7 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Ten
     rc = lib.tf_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), out.data_ptr(), out.stride(0), seqs, heads, kv_heads, head_dim, num_blocks,
-        block_size, scale, max_len)
+        block_size, scale, max_len, ks, vs)
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its score buffer")
 
@@ -328,6 +352,26 @@ def write_kv(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
                     k_layer.data_ptr(), v_layer.data_ptr(), kv_heads, per_head, head_dim)
 
 
+def write_kv_int8(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_layer: torch.Tensor,
+                  v_layer: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
+                  slot_range: tuple[int, int] | None = None) -> None:
+    """``write_kv`` into an int8 cache layer: ``k`` / ``v`` quantized per token and KV head (the bits of
+    ``kv_quant.quantize``), their scales into ``k_scales`` / ``v_scales`` [kv_heads, blocks, block_size]."""
+    rows, kv_heads, head_dim = k.shape
+    _require(k.dtype == v.dtype == torch.float32 and v.shape == k.shape
+             and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim,
+             "fp32 key/value rows of contiguous heads")
+    _require(k_layer.is_contiguous() and v_layer.is_contiguous() and k_layer.shape == v_layer.shape
+             and k_layer.shape[0] == kv_heads and k_layer.shape[3] == head_dim, "contiguous cache layers")
+    ks, vs = _cache_layers(k_layer, v_layer, k_scales, v_scales)
+    _require(ks is not None, "an int8 cache")
+    per_head = k_layer.shape[1] * k_layer.shape[2]
+    _require(slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
+             and _within(slots, slot_range, per_head), "int64 slots in the pool")
+    lib.tf_write_kv_int8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), rows,
+                         k_layer.data_ptr(), v_layer.data_ptr(), ks, vs, kv_heads, per_head, head_dim)
+
+
 def rope_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
           position_range: tuple[int, int] | None = None) -> None:
     """Rotate ``x`` [rows, heads, head_dim] (fp32; rows may be strided, heads contiguous) in place by the
@@ -361,15 +405,18 @@ def prefill_attends(lib: ctypes.CDLL | None, head_dim: int) -> bool:
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                       tables: torch.Tensor, q_rows: torch.Tensor, n_q: torch.Tensor, starts: torch.Tensor,
-                      out: torch.Tensor, scale: float, ends: list[int] | None = None) -> None:
+                      out: torch.Tensor, scale: float, ends: list[int] | None = None,
+                      k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
     """Write into ``out`` [rows, heads * head_dim] the attention of prefill chunks: chunk s is ``n_q[s]``
     query rows of ``q`` [rows, heads, head_dim] from row ``q_rows[s]``, at positions ``starts[s]``.., each
     attending its sequence's keys up to its own position through ``tables[s]`` (keys already in the pool).
-    ``ends`` (``starts + n_q`` as ints), where the caller has it, saves a tensor op per call."""
+    ``ends`` (``starts + n_q`` as ints), where the caller has it, saves a tensor op per call. An int8 cache
+    comes with its scales (``kv_quant.py``)."""
     rows, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_layer.shape
     _require(prefill_attends(lib, head_dim), "an AVX2 build and head_dim a multiple of 16")
-    _require(q.dtype == out.dtype == k_layer.dtype == v_layer.dtype == torch.float32, "fp32 tensors")
+    _require(q.dtype == out.dtype == torch.float32, "fp32 queries and output")
+    ks, vs = _cache_layers(k_layer, v_layer, k_scales, v_scales)
     _require(q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(1) == 1, "contiguous query/output rows")
     _require(k_layer.is_contiguous() and v_layer.is_contiguous() and v_layer.shape == k_layer.shape,
              "contiguous cache layers of one shape")
@@ -385,7 +432,7 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_layer: torch.Tensor, 
         rc = lib.tf_prefill_attention(
             q.data_ptr(), q.stride(0), k_layer.data_ptr(), v_layer.data_ptr(), at(tables), tables.shape[1],
             at(q_rows), at(n_q), at(starts), last - first, out.data_ptr(), out.stride(0), heads, kv_heads,
-            head_dim, num_blocks, block_size, scale, scratch.data_ptr())
+            head_dim, num_blocks, block_size, scale, scratch.data_ptr(), ks, vs)
         if rc != 0:
             raise MemoryError("prefill attention could not allocate its buffers")
         first = last
@@ -415,7 +462,7 @@ def _fields(kind, names: str) -> list[tuple[str, type]]:
 
 class _Layer(ctypes.Structure):        # struct tf_layer in the C file, field for field (and so on below)
     _fields_ = _fields(_PTR, "ln1 ln2 qkv qkv_bias o o_bias gate_up gate_up_bias down down_bias k_cache v_cache "
-                             "qkv_scale o_scale gate_up_scale down_scale")
+                             "qkv_scale o_scale gate_up_scale down_scale k_scales v_scales")
 
 
 class _Buffers(ctypes.Structure):
@@ -430,6 +477,33 @@ class _Step(ctypes.Structure):
     _fields_ = (_fields(_I64, "rows decodes decode_width decode_max_len keep")
                 + _fields(_PTR, "positions slots decode_tables decode_lens keep_rows")
                 + [("prefill", _Chunks), ("sampled", _Chunks)])
+
+
+class Comm(ctypes.Structure):
+    """struct tf_comm: a rank's view of a shared-memory channel (``shm_channel.py`` fills it in)."""
+    _fields_ = (_fields(_I64, "rank size slot_bytes") + _fields(_PTR, "header slots round pids")
+                + [("timeout_s", ctypes.c_double), ("seconds", ctypes.c_double), ("failed_rank", _I64)])
+
+
+COMM_PEER_EXITED, COMM_PEER_LATE = -3, -4      # tf_comm_sum's and tf_decoder_layers' failed waits
+
+
+class CommFailure(RuntimeError):
+    """A sum across ranks inside a kernel failed: ``code`` (COMM_PEER_EXITED or COMM_PEER_LATE) for
+    ``comm.failed_rank``."""
+
+    def __init__(self, code: int, rank: int):
+        super().__init__(f"sum across ranks failed ({code}) waiting for rank {rank}")
+        self.code, self.rank = code, rank
+
+
+def comm_sum_(lib: ctypes.CDLL, comm: Comm, x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` (contiguous fp32, CPU) over the channel's ranks, in place."""
+    _require(x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu", "contiguous fp32 CPU rows")
+    rc = lib.tf_comm_sum(ctypes.byref(comm), x.data_ptr(), x.data_ptr(), x.numel())
+    if rc:
+        raise CommFailure(rc, comm.failed_rank)
+    return x
 
 
 class _Shape(ctypes.Structure):
@@ -458,11 +532,20 @@ class DecoderLayers:
 
     ``layers``: per layer a dict of ``ln1``, ``ln2`` (norm weights), ``qkv``, ``o``, ``gate_up``, ``down``
     (packed panels) and ``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias`` (or None); ``kv_layers``: per layer its
-    [2, kv_heads, blocks, block_size, head_dim] slice of the pool; ``cos`` / ``sin`` as ``rope_`` takes them.
-    Int8 weights (``pack_weight_int8``) come with their scales as ``qkv_scale``, ... (absent or None: fp32)."""
+    [2, kv_heads, blocks, block_size, head_dim] slice of the pool (fp32, or an int8 ``kv_quant.QuantizedKV``);
+    ``cos`` / ``sin`` as ``rope_`` takes them.
+    Int8 weights (``pack_weight_int8``) come with their scales as ``qkv_scale``, ... (absent or None: fp32).
 
-    def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list[torch.Tensor], cos: torch.Tensor,
-                 sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int):
+    Tensor parallelism: ``heads`` and the weights are this rank's, and ``comm`` (this rank's shared-memory
+    channel) sums the ``o`` and ``down`` outputs across the ranks before their biases (``o_bias``,
+    ``down_bias``: the row-parallel layers' biases, added once after the sum), as the layer loop does; a
+    failed wait raises ``CommFailure``."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[dict], kv_layers: list, cos: torch.Tensor,
+                 sin: torch.Tensor, heads: int, eps: float, scale: float, piece: int, comm: Comm | None = None):
+        from .kv_quant import QuantizedKV
+        scales = [kv.scales if isinstance(kv, QuantizedKV) else None for kv in kv_layers]
+        kv_layers = [kv.data if isinstance(kv, QuantizedKV) else kv for kv in kv_layers]
         _require(prefill_attends(lib, kv_layers[0].shape[-1]), "an AVX2 build and head_dim a multiple of 16")
         _, kv_heads, num_blocks, block_size, head_dim = kv_layers[0].shape
         hidden, inter = layers[0]["ln1"].shape[0], layers[0]["down"].shape[1]
@@ -476,18 +559,22 @@ class DecoderLayers:
                          and (bias is None or (bias.shape == (n,) and bias.is_contiguous()))
                          and (w_scale is None or (w_scale.shape == (n,) and w_scale.dtype == torch.float32
                                                   and w_scale.is_contiguous())), f"packed {name} panels")
-            _require(kv.is_contiguous() and kv.shape == kv_layers[0].shape and kv.dtype == torch.float32,
-                     "contiguous fp32 cache layers of one shape")
+            _require(kv.is_contiguous() and kv.shape == kv_layers[0].shape and kv.dtype == kv_layers[0].dtype,
+                     "contiguous cache layers of one shape")
+        for kv, sc in zip(kv_layers, scales):
+            _cache_layers(kv[0], kv[1], None if sc is None else sc[0], None if sc is None else sc[1])
         _require(cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == head_dim,
                  "cos/sin tables of head_dim width")
         ptr = lambda t: None if t is None else t.data_ptr()
         self.lib, self.cos_rows, self.slots_per_head = lib, cos.shape[0], num_blocks * block_size
-        self.kept = (layers, kv_layers, cos, sin)           # the structs point into these
+        self.kept = (layers, kv_layers, scales, cos, sin)   # the structs point into these
+        self.comm = comm
         self.layers = (_Layer * len(layers))(*[
             _Layer(*[ptr(layer.get(f)) for f in ("ln1", "ln2", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                                                   "gate_up_bias", "down", "down_bias")], kv[0].data_ptr(), kv[1].data_ptr(),
-                   *[ptr(layer.get(f)) for f in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")])
-            for layer, kv in zip(layers, kv_layers)])
+                   *[ptr(layer.get(f)) for f in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")],
+                   *((None, None) if sc is None else (sc[0].data_ptr(), sc[1].data_ptr())))
+            for layer, kv, sc in zip(layers, kv_layers, scales)])
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, piece, eps, scale,
                             cos.data_ptr(), sin.data_ptr())
 
@@ -533,7 +620,11 @@ class DecoderLayers:
             at += n
         # (runs, sampled_runs: the run tables the structs point to, alive until the call returns)
         rc = self.lib.tf_decoder_layers(ctypes.byref(sh), self.layers, len(self.layers), ctypes.byref(step),
-                                        x.data_ptr(), ctypes.byref(_Buffers(*parts)))
+                                        x.data_ptr(), ctypes.byref(_Buffers(*parts)),
+                                        None if self.comm is None else ctypes.byref(self.comm))
+        if rc in (COMM_PEER_EXITED, COMM_PEER_LATE):
+            assert self.comm is not None
+            raise CommFailure(rc, self.comm.failed_rank)
         if rc != 0:
             raise MemoryError("the decoder layers could not allocate their buffers")
         return x[:step.keep]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import logging
 import os
 import pickle
@@ -110,6 +111,30 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _tensor_from(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _MessagePickler(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays: a step's batch (a dozen small tensors) in about a tenth of the time
+    torch's own reduction takes (measured: 0.12 against 1.2 ms to pickle, 0.11 against 1.8 ms to unpickle a
+    64-sequence decode batch), and the batch is on the critical path of every step on both sides."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return _tensor_from, (obj.numpy(),)
+            except TypeError:           # a dtype numpy lacks (bfloat16): torch's own reduction
+                pass
+        return NotImplemented
+
+
+def dumps_message(message: Any) -> bytes:
+    out = io.BytesIO()
+    _MessagePickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return out.getvalue()
+
+
 class ProcessGroup:
     """This process's rank in the replica's ``torch.distributed`` group, with the collectives the layers and
     the runner use. ``collective_seconds`` adds up the time spent in them (waiting for the others included)."""
@@ -148,11 +173,33 @@ class ProcessGroup:
         self._run("all-reduce", dist.all_reduce, x)
         return x
 
+    @property
+    def kernel_comm(self):
+        """The shared-memory channel as the compiled kernels take it (``cpu_kernels.Comm``), or None."""
+        return self.shm.comm if self.shm is not None else None
+
+    def run_kernels(self, fn, *args):
+        """Call ``fn`` (a compiled call that sums across the ranks through ``kernel_comm``): its time in those
+        sums counts as collective time, and a failed sum breaks the group (RankFailure)."""
+        from .cpu_kernels import CommFailure
+
+        if self.broken is not None:
+            raise self.broken
+        comm = self.kernel_comm
+        before = comm.seconds if comm is not None else 0.0
+        try:
+            return fn(*args)
+        except CommFailure as e:
+            assert self.shm is not None
+            raise self._failed("all-reduce", self.shm.failure(e)) from e
+        finally:
+            if comm is not None:
+                self.collective_seconds += comm.seconds - before
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
         if self.shm is not None:
-            got = self._run("gather", self.shm.gather, x)
-            return torch.cat(got, dim=1) if got is not None else None
+            return self._run("gather", self.shm.gather_columns, x)
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         self._run("gather", lambda: dist.gather(x, parts, dst=0))
         return torch.cat(parts, dim=1) if parts is not None else None
@@ -160,14 +207,13 @@ class ProcessGroup:
     def broadcast(self, message: Any = None) -> Any:
         """Rank 0 sends ``message`` (pickled; tensors go as CPU tensors), every rank returns it."""
         if self.shm is not None:
-            raw = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None
+            raw = dumps_message(message) if self.rank == 0 else None
             got_bytes = self._run("broadcast", self.shm.broadcast_bytes, raw)
             self.last_message = time.monotonic()
             return message if self.rank == 0 else pickle.loads(got_bytes)
         if self.rank == 0:
             message = _to(message, torch.device("cpu")) if self.device.type != "cpu" else message
-            data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)),
-                                    dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(dumps_message(message)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -289,7 +335,7 @@ def _boot_id() -> str:
 def checkpoint_identity(model_dir: str, revision: str | None = None) -> dict[str, str]:
     """What every rank's checkpoint must share with rank 0's: the revision (given, or a fingerprint of the
     weight files) and the sha256 of config.json."""
-    from .prefix_checkpoint import config_sha256, weights_fingerprint
+    from .identity import config_sha256, weights_fingerprint
 
     return {"revision": revision or weights_fingerprint(model_dir), "config_sha256": config_sha256(model_dir)}
 

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..contract.levers import parse_kv_cache_dtype
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
 from .block_pool import adapter_root_hash
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
+from .kv_offload import BlockRecord, KVOffload, KVOffloadConfig, PoolIO, TierCounters
 from .layers.lora import LoRARows
 from .loader import load_config
 from .lora_manager import LoRAConfig, LoRAManager, UnknownAdapter
@@ -93,6 +95,11 @@ class EngineConfig:
     load_tokenizer: bool = True
     cpu_kernels: bool = True            # compiled fp32 CPU kernels (cpu_kernels.py); False: PyTorch only
     quantization: str = "none"          # "int8": weight-only int8 linears, quantized at load (quantization.py)
+    kv_cache_dtype: str = "auto"        # "int8": the KV cache in int8, a scale per token and KV head (kv_quant.py)
+    # size the KV budget as this fraction of the device's memory (CPU: the memory limit), less weights and
+    # headroom (contract/kv_budget.py), instead of kv_cache_bytes
+    memory_utilization: float | None = None
+    device_memory_bytes: int | None = None   # the memory memory_utilization takes a fraction of (None: measured)
     speculative: SpeculativeConfig | None = None    # speculative decoding (speculative.py); None: off
     load_format: str = "mmap"           # loader.py: mmap (views of the mapped files) or read (copied first)
     parallel: ParallelConfig | None = None   # tensor parallelism over processes (distributed.py); None: one rank
@@ -101,6 +108,7 @@ class EngineConfig:
     structured_output_cache_size: int = 256     # compiled grammars kept (least recently used dropped)
     lora: LoRAConfig | None = None      # LoRA adapters (lora_manager.py); None: adapters off
     served_model_names: tuple[str, ...] = ()   # names the base model goes by (adapters' base must be one)
+    kv_offload: KVOffloadConfig | None = None   # host-memory and disk tiers of the prefix cache (kv_offload.py)
 
 
 @dataclass
@@ -120,6 +128,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)   # finish_reason -> count
     spec_decode: SpecDecodeStats | None = None                # None: speculative decoding is off
     lora: LoRAStats | None = None                             # None: LoRA adapters are off
+    kv_offload: dict[str, TierCounters] | None = None         # per tier (accelerator, host, disk); None: no offload
 
 
 @dataclass
@@ -149,6 +158,7 @@ class LLMEngine:
         if device.type == "cpu":
             torch.set_num_threads(threads)
         self.quantization = parse_quantization(config.quantization)
+        self.kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, "kv_cache_dtype")
         model_config = load_config(config.model)
         self.dtype_choice = choose_dtype(config.dtype, device, model_config, config.cpu_kernels, self.quantization)
         self.device, self.dtype = device, self.dtype_choice.dtype
@@ -157,7 +167,8 @@ class LLMEngine:
         if parallel.world_size > 1:
             self._join(parallel, model_config, threads)
         setup = RankSetup(self.dtype, self.quantization, config.cpu_kernels, config.max_model_len,
-                          config.kv_cache_bytes, config.block_size, config.load_format)
+                          config.kv_cache_bytes, config.block_size, config.load_format, self.kv_cache_dtype,
+                          config.memory_utilization, config.device_memory_bytes)
         self.startup_marks: dict[str, float] = {}                        # server/startup.py reports them
         try:
             if self.group is not None:
@@ -170,7 +181,18 @@ class LLMEngine:
             raise
         self.runner, self.model_config, self.tokenizer = loaded.runner, loaded.config, loaded.tokenizer
         self.max_model_len, num_blocks, self.kv_cache_bytes = loaded.max_model_len, loaded.num_blocks, loaded.kv_cache_bytes
+        if config.max_model_len is not None and -(-self.max_model_len // config.block_size) > num_blocks:
+            self.close()
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} (engine.maxModelLen) does not fit the KV cache once: it holds "
+                f"{num_blocks * config.block_size} tokens ({self.kv_cache_bytes >> 20} MiB per rank, KV cache dtype "
+                f"{self.kv_cache_dtype}); raise the budget (--kv-cache-memory-bytes / --kv-cache-mb / "
+                "--gpu-memory-utilization; engine.kvCacheMemory / acceleratorMemoryUtilization), use "
+                "--kv-cache-dtype int8, or lower --max-model-len")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.offload: KVOffload | None = None
+        if config.kv_offload is not None and config.kv_offload.enabled:
+            self._attach_offload(config.kv_offload, parallel)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill,
                                                    config.lora.max_loras if config.lora else 0), self.kv)
@@ -194,6 +216,28 @@ class LLMEngine:
         self._grammar_compiler_lock = threading.Lock()
         self.startup_marks["kernels_ready"] = time.monotonic()
 
+    def _attach_offload(self, offload: KVOffloadConfig, parallel: ParallelConfig) -> None:
+        from .identity import engine_identity
+
+        if parallel.world_size > 1:
+            raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
+                             "implemented yet: each rank would need its own tier of its KV shard")
+        if not self.config.enable_prefix_caching:
+            raise ValueError("KV offload tiers hold prefix-cache blocks: they need prefix caching "
+                             "(drop --no-prefix-caching)")
+        if self.config.lora is not None and offload.disk_path is not None:
+            raise ValueError("--kv-offload-disk-path with --enable-lora is not implemented yet (an unloaded "
+                             "adapter's blocks on disk could not be forgotten)")
+        identity = engine_identity(self, self.config.model_revision)
+        identity["kv_cache_dtype"] = getattr(self.config, "kv_cache_dtype", "auto")
+        identity["tensor_parallel"] = [parallel.node_rank, parallel.world_size]
+        tensors = [self.runner.kv_pool]
+        scales = getattr(self.runner, "kv_scales", None)         # a quantized KV cache's scales
+        if scales is not None:
+            tensors.append(scales)
+        self.offload = KVOffload(offload, PoolIO(tensors), identity)
+        self.kv.attach_offload(self.offload)
+
     def _join(self, parallel: ParallelConfig, model_config, threads: int) -> None:
         """Start this host's other ranks, form the group as rank 0 and check every rank's checkpoint."""
         why = split_error(model_config, parallel.tensor_parallel_size)
@@ -212,6 +256,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the other ranks and wait for this host's worker processes (tensor parallelism; else a no-op)."""
+        offload = getattr(self, "offload", None)
+        if offload is not None:
+            offload.close()
         group, self.group = self.group, None
         if group is not None:
             runner = getattr(self, "runner", None)
@@ -314,6 +361,13 @@ class LLMEngine:
                 self.lora.acquire(lora)
             self.requests[request_id] = req
             self.scheduler.add(req)
+            if self.offload is not None:         # start reading its disk-tier blocks while it waits
+                req.update_block_hashes(self.kv.block_size)
+                pool, hashes = self.kv.pool, req.block_hashes
+                i = 0
+                while i < len(hashes) and pool.lookup(hashes[i]) is not None:
+                    i += 1
+                self.offload.prefetch(hashes[i:])
 
     def abort_request(self, request_id: str) -> bool:
         with self.lock:
@@ -494,7 +548,7 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
             if req.lora is not None and self.lora is not None and self.lora.release(req.lora, req.num_prompt_tokens):
-                self.kv.pool.forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
+                self._forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
             reason = req.finish_reason or "unknown"
             self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
         return out
@@ -511,7 +565,8 @@ class LLMEngine:
                 num_steps=c.num_steps, prompt_tokens=c.num_prompt_tokens,
                 generation_tokens=self.generation_tokens, finished=dict(self.finished_counts),
                 spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
-                lora=self._lora_stats())
+                lora=self._lora_stats(),
+                kv_offload=self.offload.snapshot() if self.offload is not None else None)
 
     def _lora_stats(self) -> LoRAStats | None:
         if self.lora is None:
@@ -530,6 +585,14 @@ class LLMEngine:
             self.lora.load(name, path)
             return self.lora.load_seconds[name]
 
+    def register_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Make adapter ``name`` servable from ``path``, read on its first request: its files are checked now
+        (``lora_adapter.AdapterError``, ValueError) but not kept in memory."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        with self.lock:
+            self.lora.register(name, path)
+
     def unload_lora_adapter(self, name: str) -> bool:
         """Stop serving ``name``: True when it is gone now, False when it goes as its running requests finish
         (new requests for it are refused from now on). ``UnknownAdapter`` if it is not served."""
@@ -538,7 +601,7 @@ class LLMEngine:
         with self.lock:
             gone = self.lora.unload(name)
             if gone:
-                self.kv.pool.forget_chains(adapter_root_hash(name))
+                self._forget_chains(adapter_root_hash(name))
             return gone
 
     def lora_adapters(self) -> list[str]:
@@ -552,16 +615,112 @@ class LLMEngine:
             waiting = sorted({r.lora for r in self.scheduler.waiting if r.lora})
             return running, waiting
 
+    def _forget_chains(self, root: bytes) -> None:
+        self.kv.pool.forget_chains(root)
+        if self.offload is not None:
+            self.offload.forget(self.offload.chains_from(root))
+
     def cached_block_hashes(self) -> list[str]:
         """Hex sha256 chain hashes of every cached full block (spec in block_pool.py)."""
         with self.lock:
             return self.kv.pool.cached_hashes()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts).
-        Refused, returning False, while requests are unfinished, as their blocks are in use."""
+    def cached_block_hashes_by_tier(self) -> dict[str, list[str]]:
+        """Hex hashes per tier: ``accelerator`` (the pool), ``host`` and ``disk`` (empty without that tier)."""
         with self.lock:
-            return not self.requests and self.kv.pool.reset_cache()
+            acc = self.kv.pool.cached_hashes()
+            host = self.offload.host_hashes() if self.offload is not None else []
+        disk = self.offload.disk_hashes() if self.offload is not None else []
+        return {"accelerator": acc, "host": host, "disk": disk}
+
+    def flush_kv_to_disk(self, max_blocks: int, timeout_s: float = 30.0) -> int:
+        """Write the hottest cached blocks of the accelerator and host tiers (up to ``max_blocks``) to the disk
+        tier, and wait for the writes: the store a replacement replica starts from. Returns the blocks written."""
+        offload = self.offload
+        if offload is None or offload.disk is None or not offload.disk.enabled:
+            return 0
+        with self.lock:
+            pool = self.kv.pool
+            chosen = [b for b in pool.hottest_cached() if pool.block_origin[b] is not None][:max_blocks]
+            chosen = [b for b in chosen if pool.block_hash[b] not in offload.disk]
+            records = []
+            if chosen:
+                data = offload.io.read(chosen)
+                for i, b in enumerate(chosen):
+                    origin = pool.block_origin[b]
+                    assert origin is not None and pool.block_hash[b] is not None
+                    records.append(BlockRecord(pool.block_hash[b], origin[0], origin[1], data[i]))  # type: ignore[arg-type]
+            if offload.host is not None and len(records) < max_blocks:
+                hot = [h for h in reversed(offload.host.entries) if h not in offload.disk][:max_blocks - len(records)]
+                if hot:
+                    recs, data = offload.host.get(hot)
+                    records += [BlockRecord(r.hash, r.parent, r.tokens, data[i]) for i, r in enumerate(recs)]
+            queued = offload.flush_to_disk(records)
+        offload.disk.wait_written(timeout_s)
+        return queued
+
+    def load_from_disk_tier(self, max_blocks: int) -> int:
+        """Copy the disk tier's most recently written blocks (up to ``max_blocks``, and as many as the pool has free)
+        into the accelerator tier as free cached blocks, each after its parent: a replica that starts on its
+        predecessor's disk tier hits at accelerator speed from its first request (warm restart). Blocks whose
+        chain does not reach the root through loaded or cached blocks are left on disk. Refused (ValueError)
+        while requests run; returns the blocks loaded."""
+        from .block_pool import ROOT_HASH
+
+        offload = self.offload
+        if offload is None or offload.disk is None or not offload.disk.enabled:
+            return 0
+        with self.lock:
+            if self.requests:
+                raise ValueError("the disk tier is loaded into the accelerator only while the engine is idle")
+            pool = self.kv.pool
+            limit = min(max_blocks, pool.num_free)
+            candidates = list(reversed(offload.disk.hashes()))[:max(limit, 0)]
+            records = {}
+            for h in candidates:
+                r = offload.disk.load(h)
+                if r is not None and r.data is not None:
+                    records[h] = r
+            order: list[BlockRecord] = []
+            placed: set[bytes] = set()
+            for h in candidates:                 # each block after its parents, which must reach the root
+                chain: list[BlockRecord] = []
+                cur, reaches = h, False
+                while len(chain) <= len(records):
+                    if cur in placed or cur in pool.cached:
+                        reaches = True
+                        break
+                    r = records.get(cur)
+                    if r is None:
+                        break
+                    chain.append(r)
+                    if r.parent == ROOT_HASH:
+                        reaches = True
+                        break
+                    cur = r.parent
+                if reaches:
+                    for r in reversed(chain):
+                        placed.add(r.hash)
+                        order.append(r)
+            order = order[:limit]
+            if not order:
+                return 0
+            blocks = pool.allocate(len(order))
+            offload.io.write(blocks, torch.stack([r.data for r in order]))  # type: ignore[misc]
+            for b, r in zip(blocks, order):
+                pool.cache(b, r.hash, (r.parent, r.tokens))
+            pool.release(blocks)
+            return len(order)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (e.g. between benchmark runs, so none reuses the last one's prompts), the
+        host tier's blocks with it and the disk tier's index (its files stay). Refused, returning False, while
+        requests are unfinished, as their blocks are in use."""
+        with self.lock:
+            done = not self.requests and self.kv.pool.reset_cache()
+            if done and self.offload is not None:
+                self.offload.reset()
+            return done
 
     # ---- offline convenience ----------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

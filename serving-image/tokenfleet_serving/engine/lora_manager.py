@@ -85,6 +85,20 @@ class LoRAManager:
         self.tokens.setdefault(name, AdapterTokens())
         return adapter
 
+    def register(self, name: str, path: str | Path) -> None:
+        """Make ``name`` servable from ``path`` without keeping it in memory: its files are read and checked
+        now (``AdapterError`` naming file and field), then let go; its first request reads them again."""
+        if not name or name in self.base_names:
+            raise ValueError(f"adapter name {name!r} is empty or names the base model")
+        if name in self.draining:
+            raise ValueError(f"adapter {name!r} is being unloaded; load it again once its requests finish")
+        load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype, self.device,
+                     self.base_names)
+        if self.paths.get(name) != str(path) and not self.in_use[name]:
+            self.loaded.pop(name, None)          # a new directory: the copy in memory is stale
+        self.paths[name] = str(path)
+        self.tokens.setdefault(name, AdapterTokens())
+
     def _make_room(self) -> None:
         idle = [n for n in self.loaded if not self.in_use[n]]
         while len(self.loaded) >= self.config.kept_loaded and idle:

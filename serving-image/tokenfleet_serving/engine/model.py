@@ -117,11 +117,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights[p + "post_attention_layernorm.weight"], config.rms_norm_eps,
                                                 fmt)
         self.mlp = LlamaMLP(config, weights, p, fmt, group)
+        self.piece_rows: int | None = None     # rows per MLP piece (None: Linear.PIECE); the runner may set fewer
 
     def linears(self) -> dict:
         """The layer's four local matmuls by the names the one-call decoder kernel takes."""
         return {"qkv": self.self_attn.qkv_proj.matmul, "o": self.self_attn.o_proj.matmul,
                 "gate_up": self.mlp.gate_up_proj.matmul, "down": self.mlp.down_proj.matmul}
+
+    def biases(self) -> dict:
+        """The biases of ``linears()`` by the one-call decoder's names: the row-parallel ones as added after the
+        sum across ranks (with one rank, inside their matmul)."""
+        rows = {"o": self.self_attn.o_proj, "down": self.mlp.down_proj}
+        return {n + "_bias": (rows[n].bias if n in rows and rows[n].bias is not None else m.bias)
+                for n, m in self.linears().items()}
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, batch: StepBatch, keep_rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -132,9 +140,10 @@ class LlamaDecoderLayer(nn.Module):
         if keep_rows is not None:
             x = x.index_select(0, keep_rows)
             lora = lora.select(keep_rows) if lora is not None else None
-        for start in range(0, x.shape[0], Linear.PIECE):   # row pieces bound the MLP's wide intermediates
-            r = slice(start, start + Linear.PIECE)
-            piece = lora.narrow(start, start + Linear.PIECE) if lora is not None else None
+        rows = self.piece_rows or Linear.PIECE
+        for start in range(0, x.shape[0], rows):           # row pieces bound the MLP's wide intermediates
+            r = slice(start, start + rows)
+            piece = lora.narrow(start, start + rows) if lora is not None else None
             o = add_lora(piece, self.self_attn.o_proj(attn[r]), attn[r], "o")
             h = self.post_attention_layernorm(x[r], delta=o)   # x[r] += o(attn) first
             x[r] += self.mlp(h, piece)

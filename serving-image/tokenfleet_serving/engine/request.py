@@ -61,6 +61,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1        # set when first scheduled
         self.block_hashes: list[bytes] = []
+        self.lower_tier_blocks: dict[str, int] = {}   # blocks copied back for it from the host / disk tier
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -129,8 +129,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:    # prompt tokens only (a continued request's output may hit too)
                     req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
-                    self.kv.stats.queries += req.num_prompt_tokens
-                    self.kv.stats.hits += req.num_cached_tokens
+                    self.kv.count_admission(req)
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -7,7 +7,9 @@ it needs. A rank only overwrites slot ``s % 2`` in round ``s + 2``, after every 
 i.e. after every rank finished reading round ``s``: two slots per rank make that safe without a second
 barrier. Messages larger than a slot go in several rounds.
 
-Sums add the ranks' slots in rank order on every rank, so every rank holds the same bits.
+Sums add the ranks' slots in rank order on every rank, so every rank holds the same bits. Where the compiled
+CPU kernels load, fp32 sums run in C (``cpu_kernels.Comm``, ``tf_comm_sum``: the same protocol, sharing this
+rank's round counter), and the one-call decoder sums its row-parallel outputs there between its layers.
 
 Ordering: the data is written before the sequence number and read after it (x86-64 keeps stores in order
 and loads in order; the writes and reads go through separate library calls the interpreter cannot merge).
@@ -24,6 +26,8 @@ import time
 
 import numpy as np
 import torch
+
+from . import cpu_kernels
 
 LINE = 64                       # bytes per rank in the header (a cache line: no false sharing)
 SLOT_BYTES = 2 << 20            # per rank and per parity; larger messages take several rounds
@@ -78,13 +82,37 @@ class ShmChannel:
         self.seq, self.pid = header[:, 0], header[:, 1]
         base = torch.frombuffer(self.map, dtype=torch.uint8, offset=size * LINE, count=2 * size * slot_bytes)
         self.slots = base.view(2, size, slot_bytes)
-        self.round = int(self.seq[rank])
+        self._round = np.array([self.seq[rank]], dtype=np.int64)    # this rank's last round; C shares it
         self.pid[rank] = os.getpid()
-        self.peer_pids: list[int] = []
+        self.peer_pids = np.zeros(size, dtype=np.int64)            # set by ready(); C reads them too
+        # the compiled kernels' view of the same channel (None without them)
+        self.kernels = cpu_kernels.load()
+        self.comm: cpu_kernels.Comm | None = None
+        self._keep: tuple | None = None
+        if self.kernels is not None:
+            self.comm = cpu_kernels.Comm(rank=rank, size=size, slot_bytes=slot_bytes, header=header.ctypes.data,
+                                         slots=base.data_ptr(), round=self._round.ctypes.data,
+                                         pids=self.peer_pids.ctypes.data, timeout_s=timeout_s)
+            self._keep = (header, base)          # what the struct points into
+
+    @property
+    def round(self) -> int:
+        return int(self._round[0])
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self._round[0] = value
+
+    def failure(self, e: cpu_kernels.CommFailure) -> ShmPeerFailure:
+        """A failed wait inside the kernels, as ``_check_peers`` words it."""
+        r = e.rank
+        if e.code == cpu_kernels.COMM_PEER_EXITED:
+            return ShmPeerFailure(f"rank {r} (pid {self.peer_pids[r]}) exited")
+        return ShmPeerFailure(f"rank {r} did not arrive within {self.timeout_s:g}s")
 
     def ready(self) -> None:
         """After every rank attached (the caller's barrier): remember the others' pids."""
-        self.peer_pids = [int(p) for p in self.pid]
+        self.peer_pids[:] = self.pid
 
     # ---- one round -------------------------------------------------------
     def _slot(self, parity: int, rank: int, nbytes: int) -> torch.Tensor:
@@ -130,6 +158,12 @@ class ShmChannel:
     # ---- collectives -----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` (contiguous, CPU) over the ranks in place."""
+        if self.comm is not None and x.dtype == torch.float32:
+            assert self.kernels is not None
+            try:
+                return cpu_kernels.comm_sum_(self.kernels, self.comm, x)
+            except cpu_kernels.CommFailure as e:
+                raise self.failure(e) from None
         flat = x.view(-1).view(torch.uint8)
         everyone = range(self.size)
         item = x.element_size()
@@ -161,6 +195,32 @@ class ShmChannel:
                 for r in range(self.size):
                     parts[r][start:start + n].copy_(self._slot(p, r, n))
         return None if parts is None else [part.view(x.dtype).view(x.shape) for part in parts]
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's ``x`` [rows, n] (same shape and dtype on every rank) side by side,
+        [rows, size * n]; the others get None. Each round carries as many whole rows as fit a slot; rank 0 copies
+        the slots straight into their columns (and its own part from ``x``)."""
+        rows, n = x.shape
+        row_bytes = n * x.element_size()
+        if row_bytes > self.slot_bytes:
+            parts = self.gather(x)
+            return None if parts is None else torch.cat(parts, dim=1)
+        x = x.contiguous()
+        out = torch.empty(rows, self.size * n, dtype=x.dtype) if self.rank == 0 else None
+        everyone = range(self.size)
+        per_round = self.slot_bytes // row_bytes
+        for r0 in range(0, rows, per_round):
+            piece = x[r0:r0 + per_round]
+            k = piece.shape[0]
+            p = (self.round + 1) % 2
+            if out is None:
+                self._slot(p, self.rank, k * row_bytes).view(x.dtype).view(k, n).copy_(piece)
+            self._publish_and_wait(everyone)
+            if out is not None:
+                out[r0:r0 + k, :n].copy_(piece)
+                for r in range(1, self.size):
+                    out[r0:r0 + k, r * n:(r + 1) * n].copy_(self._slot(p, r, k * row_bytes).view(x.dtype).view(k, n))
+        return out
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0 sends ``data``; every rank returns it. The first round carries the length (8 bytes) and as much
@@ -203,6 +263,8 @@ class ShmChannel:
         return bytes(got or b"")
 
     def close(self) -> None:
+        self.comm = None
+        self._keep = None
         self.slots = self.seq = self.pid = None  # type: ignore[assignment]
         try:
             self.map.close()

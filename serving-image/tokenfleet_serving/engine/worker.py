@@ -18,9 +18,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..contract.kv_budget import HEADROOM_BYTES, budget_from_memory
 from .config import ModelConfig
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .loader import load_checkpoint
@@ -40,6 +42,9 @@ class RankSetup:
     kv_cache_bytes: int
     block_size: int
     load_format: str = "mmap"
+    kv_cache_dtype: str = "auto"
+    memory_utilization: float | None = None   # size the KV budget from the device's memory (kv_budget.py)
+    device_memory_bytes: int | None = None    # that memory as the operator knows it (None: read the device)
 
 
 @dataclass
@@ -62,17 +67,78 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
         marks["weights_loaded"] = time.monotonic()
     max_len = min(setup.max_model_len or ckpt.config.max_model_len, ckpt.config.max_model_len)
     runner = ModelRunner(ckpt.config, ckpt.weights, setup.dtype, device, max_len, use_kernels=setup.use_kernels,
-                         quantization=setup.quantization, group=group)
+                         quantization=setup.quantization, group=group, kv_cache_dtype=setup.kv_cache_dtype)
     config, tokenizer = ckpt.config, ckpt.tokenizer
     del ckpt
     if setup.block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {setup.block_size}")
     block_bytes = runner.kv_block_bytes(setup.block_size)
-    num_blocks = setup.kv_cache_bytes // block_bytes
+    budget = setup.kv_cache_bytes
+    if setup.memory_utilization is not None:
+        memory = usable_memory_bytes(device, setup.device_memory_bytes)
+        budget = budget_from_memory(memory, setup.memory_utilization, runner.weight_bytes())
+        log.info("KV cache budget %d MiB: %.2f of %d MiB, less %d MiB of weights and %d MiB of headroom",
+                 budget >> 20, setup.memory_utilization, memory >> 20, runner.weight_bytes() >> 20, HEADROOM_BYTES >> 20)
+        if budget < block_bytes:
+            raise ValueError(
+                f"--gpu-memory-utilization {setup.memory_utilization} (engine.acceleratorMemoryUtilization) leaves no "
+                f"room for the KV cache: {setup.memory_utilization} x {memory >> 20} MiB of "
+                f"{'accelerator memory' if device.type != 'cpu' else 'memory limit'} less {runner.weight_bytes() >> 20} "
+                f"MiB of weights and {HEADROOM_BYTES >> 20} MiB of headroom is {budget >> 20} MiB; raise it, the memory "
+                "(resources.limits.memory on CPU), or set --kv-cache-memory-bytes")
+    num_blocks = budget // block_bytes
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes={setup.kv_cache_bytes} is smaller than one KV block ({block_bytes} bytes)")
+        raise ValueError(f"kv_cache_bytes={budget} is smaller than one KV block ({block_bytes} bytes)")
     pool_bytes = runner.allocate_kv_cache(num_blocks, setup.block_size)
     return LoadedRank(runner, config, tokenizer, max_len, num_blocks, pool_bytes)
+
+
+def usable_memory_bytes(device: torch.device, stated: int | None) -> int:
+    """The memory ``--gpu-memory-utilization`` takes its fraction of: the stated accelerator memory
+    (``--accelerator-memory-bytes``), else the device's. A rank that runs on the CPU never counts on more than
+    the container's memory limit (or the host's memory): an accelerator pod scheduled onto a node that only
+    pretends to have the device (KWOK, the local pod runner) would otherwise size its KV cache from 80 GiB."""
+    measured = device_memory_bytes(device)
+    if stated is None:
+        return measured
+    if device.type == "cpu" and stated > measured:
+        log.info("--accelerator-memory-bytes %d MiB is more than this CPU rank may use; sizing from its %d MiB",
+                 stated >> 20, measured >> 20)
+        return measured
+    return stated
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory a rank may use: an accelerator's total memory, or on CPU the container's memory limit (cgroup
+    v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else the host's."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    limit = cgroup_memory_limit()
+    if limit is not None:
+        return limit
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cgroup_memory_limit(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """This process's cgroup memory limit in bytes, or None without one."""
+    try:
+        lines = Path(membership).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        candidates = ([Path(root) / rel / "memory.max"] if controllers == ""
+                      else [Path(root) / controllers / rel / "memory.limit_in_bytes"] if "memory" in controllers.split(",")
+                      else [])
+        for file in candidates:
+            try:
+                text = file.read_text().strip()
+            except OSError:
+                continue
+            if text != "max" and int(text) < 1 << 60:           # v1 writes a huge number for "no limit"
+                return int(text)
+    return None
 
 
 def rank_threads(parallel: ParallelConfig, usable: int) -> int:

@@ -71,12 +71,14 @@ from tokenfleet_serving.router.observe import (
 from tokenfleet_serving.router.policy import SESSION, PolicyParams, RouteRequest, choose, choose_tier
 from tokenfleet_serving.router.prefix import block_hashes
 from tokenfleet_serving.router.prompt import prompt_info
+from tokenfleet_serving.router.route_mode import DETAIL_HEADER, REASON_HEADER, TARGET_HEADER, RouteMode
 from tokenfleet_serving.router.state import MAX_SESSION_KEY_CHARS, MAX_SESSIONS, BackendState, Fleet, poll_forever
 from tokenfleet_serving.server.connection import DEFAULT_BODY_TIMEOUT_S, read_body, send_and_close
 
 log = logging.getLogger("tokenfleet.router")
 
 MAX_ATTEMPTS = 3
+TARGETS_FILE = "targets.json"   # route mode: the targets' status, next to endpoints.json (route_files.py)
 MAX_HELD_REQUESTS = 1024        # requests held at once while no replica is ready (noReplicaHoldSeconds)
 MAX_HELD_BYTES = 64 * 2**20     # their bodies' bytes, together (--max-held-bytes)
 STALL_TIMEOUT_S = 15.0          # a backend silent this long, polls included, is frozen (--stall-timeout)
@@ -128,6 +130,9 @@ class _Request:
     adapter: str | None = None          # the LoRA adapter the request names (policy.py)
     prompt_ids: list[int] | None = None  # the prompt as this router tokenized it (a vLLM stream's continuation
                                          # uses it when the replica did not report the prompt's ids)
+    route_target: str | None = None     # route mode: the target chosen (route_mode.py)
+    route_reason: str = ""              # route mode: why (a label)
+    route_detail: str = ""              # ... in words
     tried: dict[str, str] = field(default_factory=dict)   # backends that failed it: pod name -> its IP then
 
     def excluded(self, fleet: Fleet) -> set[str]:
@@ -154,7 +159,8 @@ class Router:
                  backend_api_key: str | None = None, max_body_bytes: int = 4 * 2**20 + 4096,
                  client_keys: ClientKeys | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  max_held_bytes: int = MAX_HELD_BYTES, stall_timeout_s: float = STALL_TIMEOUT_S,
-                 max_sessions: int = MAX_SESSIONS, backend_runtime: str = TOKENFLEET):
+                 max_sessions: int = MAX_SESSIONS, backend_runtime: str = TOKENFLEET,
+                 target_tokenizers: dict[str, Tokenizer | None] | None = None):
         self.config = config
         self.runtime = RUNTIME[backend_runtime]
         self.client_keys = client_keys
@@ -166,6 +172,11 @@ class Router:
         self.params = PolicyParams(config.policy, config.load_factor, config.kv_usage_threshold, config.load_slack)
         self.fleet = Fleet(config, interval_s=poll_interval_s, max_sessions=max_sessions, runtime=self.runtime)
         self.metrics = RouterMetrics(self.fleet, tokenizer is not None)
+        # route mode (a TokenRoute's router): its targets are other services' routers
+        self.route = None if config.route is None else RouteMode(
+            config.route, config.models[0] if config.models else None,
+            {t.name: (target_tokenizers or {}).get(t.name) for t in config.route.targets},
+            self.endpoints_path.with_name(TARGETS_FILE), self.metrics.registry)
         self.pending = 0                      # requests held while no replica is ready (scale from zero)
         self.held_bytes = 0                   # their bodies' bytes
         self.max_held_bytes = max_held_bytes
@@ -203,6 +214,8 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0),
         )
         self.reload_endpoints()
+        if self.route is not None:
+            self.route.reload_targets()
         self._tasks = [asyncio.ensure_future(self._watch_endpoints()),
                        asyncio.ensure_future(poll_forever(self.session, self.fleet, self.backend_api_key))]
 
@@ -242,6 +255,8 @@ class Router:
         while True:
             await asyncio.sleep(self.endpoints_interval_s)
             self.reload_endpoints()
+            if self.route is not None:
+                self.route.reload_targets()
             if self.client_keys is not None:
                 self.client_keys.reload()
 
@@ -289,6 +304,8 @@ class Router:
 
     async def ready(self, request: web.Request) -> web.Response:
         routable = self.fleet.routable()
+        if self.route is not None:      # a route is ready with a target to send to, not with a classifier alone
+            routable = [b for b in routable if b.endpoint.tier in self.route.by_name]
         if self.draining:
             reason = "draining"
         elif not self.fleet.endpoints_loaded:
@@ -315,6 +332,9 @@ class Router:
 
     def _backend_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if self.route is not None and not self.backend_api_key and "Authorization" in request.headers:
+            # a route's targets are routers that check the client's own key
+            headers["Authorization"] = request.headers["Authorization"]
         if self.backend_api_key:
             headers["Authorization"] = f"Bearer {self.backend_api_key}"
         return headers
@@ -436,26 +456,41 @@ class Router:
                 stream.unmigratable = stream.unmigratable or vllm_unmigratable(body)
             body["return_token_ids"] = True
             changed = True
-        if self.tokenizer is not None and isinstance(body, dict):
-            info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
+        if self.route is not None:
+            routed = await self.route.decide(kind, body, request.headers.get(self.route.route.override_header),
+                                             self.fleet, self.session, self._backend_headers(request))
+            if routed is None:
+                return self._no_backend(self.route.names[-1])
+            ctx.tier = ctx.route_target = routed.decision.target
+            ctx.route_reason, ctx.route_detail = routed.decision.reason, routed.decision.detail
+            log.debug("route: %s (%s: %s)", ctx.tier, routed.decision.reason, routed.decision.detail)
+            if routed.info.token_ids:
+                ctx.hashes = block_hashes(routed.info.token_ids, routed.kv_block_size)
+            if routed.model and isinstance(body, dict) and body.get("model") != routed.model:
+                body["model"] = routed.model
+                changed = True
+            tier_model = None
         else:
-            info = prompt_info(kind, body, None)
-        model = body.get("model") if isinstance(body, dict) else None
-        ctx.adapter = model if isinstance(model, str) and self.fleet.serves_adapter(model) else None
-        ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter)
-                      if info.token_ids else ())
-
-        if stream is not None and self.runtime.name == VLLM and info.token_ids:
-            ctx.prompt_ids = list(info.token_ids)
-        tiers = self.config.tiers
-        picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
-        del info
-        if picked is None:
-            return self._no_backend(tiers[-1].name)
-        tier, ctx.fallback = picked
-        ctx.tier = tier.name
-        if tier.model and isinstance(body, dict) and body.get("model") != tier.model:
-            body["model"] = tier.model
+            if self.tokenizer is not None and isinstance(body, dict):
+                info = await asyncio.to_thread(prompt_info, kind, body, self.tokenizer)
+            else:
+                info = prompt_info(kind, body, None)
+            model = body.get("model") if isinstance(body, dict) else None
+            ctx.adapter = model if isinstance(model, str) and self.fleet.serves_adapter(model) else None
+            ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter)
+                          if info.token_ids else ())
+            if stream is not None and self.runtime.name == VLLM and info.token_ids:
+                ctx.prompt_ids = list(info.token_ids)
+            tiers = self.config.tiers
+            picked = choose_tier(tiers, info.num_tokens, info.max_tokens, self.fleet.tiers_available())
+            del info
+            if picked is None:
+                return self._no_backend(tiers[-1].name)
+            tier, ctx.fallback = picked
+            ctx.tier = tier.name
+            tier_model = tier.model
+        if tier_model and isinstance(body, dict) and body.get("model") != tier_model:
+            body["model"] = tier_model
             changed = True
         if changed:
             ctx.raw = json.dumps(body).encode()
@@ -467,7 +502,7 @@ class Router:
             timing.held = True
             opened = await self._open(ctx)
         if opened is None:
-            return self._no_backend(tier.name)
+            return self._no_backend(ctx.tier)
         backend, reason, upstream, matched = opened
         if ctx.hashes:
             self.metrics.prefix_query_blocks.inc(len(ctx.hashes))
@@ -578,6 +613,10 @@ class Router:
                 response.headers[name] = upstream.headers[name]
         response.headers["x-tokenfleet-backend"] = backend
         response.headers["x-tokenfleet-route-reason"] = reason
+        if ctx is not None and ctx.route_target is not None:
+            response.headers[TARGET_HEADER] = ctx.route_target
+            response.headers[REASON_HEADER] = ctx.route_reason
+            response.headers[DETAIL_HEADER] = ctx.route_detail.encode("ascii", "replace").decode()[:512]
         await response.prepare(request)
         self.fleet.note_alive(backend)
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -797,6 +836,10 @@ class Router:
         return min(lengths) if lengths else None
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.route is not None:
+            if not self.fleet.tiers_available() & set(self.route.names):
+                return self._no_backend(self.route.names[-1])
+            return web.json_response(self.route.models())
         headers = self._backend_headers(request)
         merged: dict[str, dict] = {}
         status = None

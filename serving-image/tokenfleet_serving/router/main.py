@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--model", default=None,
                    help="model directory to load the tokenizer from (default: modelPath in router.json)")
+    p.add_argument("--target-model", nargs=2, action="append", default=[], metavar=("TARGET", "DIR"),
+                   help="route mode: the model directory of a target, to load its tokenizer and chat template from "
+                        "(repeat per target; a target without one is scored by characters / 4)")
     p.add_argument("--poll-interval", type=_positive_float, default=0.5,
                    help="seconds between polls of each backend's /metrics and /cache/blocks")
     p.add_argument("--backend-api-key", default=None,
@@ -140,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no backend key (--backend-api-key or $TOKENFLEET_API_KEY): replicas must accept requests "
                     "without one, and their /cache/blocks is closed to the router")
     endpoints = args.endpoints or str(Path(args.config).with_name("endpoints.json"))
-    tokenizer = load_tokenizer(args.model or config.model_path)
+    tokenizer = load_tokenizer(args.model or config.model_path) if config.route is None else None
+    target_tokenizers = {name: load_tokenizer(path) for name, path in args.target_model}
     router = Router(config, endpoints, tokenizer, poll_interval_s=args.poll_interval, backend_api_key=backend_key,
                     max_body_bytes=args.max_body_bytes, client_keys=client_keys, body_timeout_s=args.body_timeout,
                     max_held_bytes=args.max_held_bytes, max_sessions=args.max_sessions,
-                    stall_timeout_s=args.stall_timeout, backend_runtime=args.backend_runtime)
+                    stall_timeout_s=args.stall_timeout, backend_runtime=args.backend_runtime,
+                    target_tokenizers=target_tokenizers)
     return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout))
 
 

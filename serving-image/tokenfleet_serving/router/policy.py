@@ -27,6 +27,14 @@ piling onto one replica. The bound applies to session affinity, prefix-aware and
   KV router cost; ``blocks`` is the request's full-block count,
   ``maxLoad = max(1, largest load)``).
 
+**Tiers of the prefix cache** (replicas with KV offload list their host- and disk-tier blocks too): a
+block counts ``1`` when it is in the backend's accelerator tier, ``HOST_WEIGHT`` (0.8) in its host tier and
+``DISK_WEIGHT`` (0.5) in its disk tier, along the leading run of the request's blocks that the backend holds
+in any tier (the engine copies a lower-tier run back and reuses it). ``matched`` in both policies is that
+weighted count, so an accelerator hit beats a host hit of the same length, a host hit beats a disk hit, and
+any hit beats a miss; a long host-tier run can beat a short accelerator-tier one (copying a block back costs
+a fraction of computing it).
+
 **LoRA adapters** (the request's ``model`` names an adapter some backend has in memory): among the
 backends within the load bound that hold the adapter in memory, the policy below chooses (reason
 ``adapter``, or ``prefix-hit`` with a cache hit); when none of them is within the bound, the policy chooses
@@ -73,6 +81,10 @@ SESSION_OVERFLOW = "session-overflow"
 ONLY_BACKEND = "only-backend"
 ADAPTER = "adapter"              # among the backends holding the request's LoRA adapter
 
+# What a cached block is worth in each lower tier, against 1 in the accelerator tier (see the module doc).
+HOST_WEIGHT = 0.8
+DISK_WEIGHT = 0.5
+
 
 @dataclass(frozen=True)
 class BackendView:
@@ -83,6 +95,8 @@ class BackendView:
     kv_usage: float = 0.0              # 0..1
     cached: Collection[str] = frozenset()  # hex block hashes it holds
     adapters: Collection[str] = frozenset()  # LoRA adapters it has in memory
+    host_cached: Collection[str] = frozenset()   # hex block hashes in its host tier (KV offload)
+    disk_cached: Collection[str] = frozenset()   # hex block hashes in its disk tier
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,27 @@ class Decision:
     backend: str
     reason: str
     matched_blocks: int = 0
+    tier_blocks: tuple[int, int, int] = (0, 0, 0)   # of the matched run: accelerator, host, disk
+
+
+def tier_match(block_hashes: Sequence[str], b: BackendView) -> tuple[int, int, int]:
+    """(accelerator, host, disk) blocks of the leading run of the request's blocks that ``b`` holds in any tier."""
+    acc = host = disk = 0
+    for h in block_hashes:
+        if h in b.cached:
+            acc += 1
+        elif h in b.host_cached:
+            host += 1
+        elif h in b.disk_cached:
+            disk += 1
+        else:
+            break
+    return acc, host, disk
+
+
+def weighted_match(tiers: tuple[int, int, int]) -> float:
+    acc, host, disk = tiers
+    return acc + HOST_WEIGHT * host + DISK_WEIGHT * disk
 
 
 def matched_blocks(block_hashes: Sequence[str], cached: Collection[str]) -> int:
@@ -181,7 +216,11 @@ def choose(req: RouteRequest, backends: Sequence[BackendView], params: PolicyPar
     if params.policy == "least-load":
         return Decision(least.name, LEAST_LOAD, matched_blocks(req.block_hashes, least.cached))
 
-    matches = {b.name: matched_blocks(req.block_hashes, b.cached) for b in backends}
+    if any(b.host_cached or b.disk_cached for b in backends):
+        tiers = {b.name: tier_match(req.block_hashes, b) for b in backends}
+    else:
+        tiers = {b.name: (matched_blocks(req.block_hashes, b.cached), 0, 0) for b in backends}
+    matches = {name: weighted_match(t) for name, t in tiers.items()}
     best_anywhere = max(matches.values())
     eligible = [b for b in backends if within_bound(b.load, capacity)]
 
@@ -193,7 +232,7 @@ def choose(req: RouteRequest, backends: Sequence[BackendView], params: PolicyPar
             chosen = least if best_anywhere == 0 else chosen
         else:
             reason = PREFIX_HIT if m == best_anywhere else LOAD_BOUND
-        return Decision(chosen.name, reason, matches[chosen.name])
+        return Decision(chosen.name, reason, sum(tiers[chosen.name]), tiers[chosen.name])
 
     if params.policy == "kv-aware":
         cool = [b for b in eligible if b.kv_usage < params.kv_usage_threshold] or eligible
@@ -206,7 +245,7 @@ def choose(req: RouteRequest, backends: Sequence[BackendView], params: PolicyPar
         chosen = max(cool, key=lambda b: (score(b), -tiebreak(b)))
         m = matches[chosen.name]
         reason = KV_SCORE if m == 0 and best_anywhere == 0 else (PREFIX_HIT if m == best_anywhere else LOAD_BOUND)
-        return Decision(chosen.name, reason, m)
+        return Decision(chosen.name, reason, sum(tiers[chosen.name]), tiers[chosen.name])
 
     raise ValueError(f"unknown routing policy {params.policy!r}")
 

@@ -145,6 +145,8 @@ class BackendState:
     endpoint: Endpoint
     sample: EngineSample | None = None
     cached: frozenset[str] = frozenset()
+    host_cached: frozenset[str] = frozenset()     # its host tier's blocks (KV offload)
+    disk_cached: frozenset[str] = frozenset()     # its disk tier's blocks
     block_size: int | None = None
     polled_at: float | None = None      # monotonic time of the last good poll
     seen_at: float | None = None        # monotonic time response bytes last arrived from it
@@ -244,7 +246,7 @@ class Fleet:
 
     # ---- polling results ---------------------------------------------------------------------
     def record_poll(self, name: str, sample: EngineSample, cached: frozenset[str] | None,
-                    block_size: int | None) -> None:
+                    block_size: int | None, lower: tuple[frozenset[str], frozenset[str]] | None = None) -> None:
         b = self.backends.get(name)
         if b is None:
             return
@@ -259,6 +261,7 @@ class Fleet:
         b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
         if cached is not None:
             b.cached = cached
+            b.host_cached, b.disk_cached = lower if lower is not None else (frozenset(), frozenset())
             b.recent = {h: exp for h, exp in b.recent.items() if exp > now and h not in cached}
         if block_size is not None and block_size != b.block_size:
             b.block_size = block_size
@@ -334,7 +337,7 @@ class Fleet:
         return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
                             b.routed if b.routed is not None else
                             _CachedView(b.cached, b.recent, now) if b.recent else b.cached,
-                            b.sample.adapters if b.sample else frozenset())
+                            b.sample.adapters if b.sample else frozenset(), b.host_cached, b.disk_cached)
                 for b in self.routable(tier) if b.name not in exclude]
 
     def serves_adapter(self, model: object) -> bool:
@@ -380,12 +383,12 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
             except ValueError:              # not Prometheus text
                 return EngineSample(signals=frozenset())
 
-    async def get_blocks() -> tuple[frozenset[str] | None, int | None]:
+    async def get_blocks() -> tuple[frozenset[str] | None, int | None, tuple[frozenset[str], frozenset[str]]]:
         if not fleet.runtime.polls_cache_blocks:
-            return None, None
+            return None, None, (frozenset(), frozenset())
         async with session.get(f"{base}/cache/blocks", headers=headers, timeout=timeout) as r:
             if r.status in (403, 404, 503):  # closed to us (a server without --api-key), another server,
-                return None, None              # or the model is still loading: route without its cache
+                return None, None, (frozenset(), frozenset())   # or the model is still loading: no cache
             if r.status != 200:
                 raise RuntimeError(f"/cache/blocks answered {r.status}")
             body = await r.json()
@@ -393,10 +396,13 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
             if not isinstance(hashes, list):
                 raise RuntimeError("/cache/blocks has no block_hashes list")
             size = body.get("block_size")
-            return frozenset(h for h in hashes if isinstance(h, str)), size if isinstance(size, int) else None
+            lower = tuple(frozenset(h for h in (body.get(key) or []) if isinstance(h, str))
+                          for key in ("host_block_hashes", "disk_block_hashes"))
+            return (frozenset(h for h in hashes if isinstance(h, str)), size if isinstance(size, int) else None,
+                    (lower[0], lower[1]))
 
     try:
-        sample, (cached, block_size) = await asyncio.gather(get_metrics(), get_blocks())
+        sample, (cached, block_size, lower) = await asyncio.gather(get_metrics(), get_blocks())
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -410,7 +416,7 @@ async def poll_backend(session, fleet: Fleet, b: BackendState, api_key: str | No
             fleet.record_poll_failure(b.name, f"poll failed: {type(exc).__name__}: {exc}")
         return
     if fleet.backends.get(b.name) is b:  # not replaced by a new pod of the same name meanwhile
-        fleet.record_poll(b.name, sample, cached, block_size)
+        fleet.record_poll(b.name, sample, cached, block_size, lower)
         if fleet.runtime.name == VLLM and b.max_model_len is None:
             b.max_model_len = await _max_model_len(session, base, headers, timeout)
 

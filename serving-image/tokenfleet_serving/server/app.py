@@ -35,6 +35,7 @@ from tokenfleet_serving.openai.tool_parsers import ToolParser
 from . import lora_api
 from .connection import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, read_body, send_and_close
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from .lora_file import AdapterFile
 from .metrics import RequestTimer, ServerMetrics
 from .startup import StartupPhases
 from .warm_restart import LoadResult, PrefixCheckpointer, WarmRestartConfig
@@ -62,6 +63,8 @@ class ServerConfig:
     warm_restart: WarmRestartConfig | None = None       # prefix-cache checkpoints (warm_restart.py)
     tool_call_parser: str | None = None                 # reads tool calls for tool_choice auto (openai/tool_parsers)
     lora_modules: tuple[tuple[str, str], ...] = ()       # (name, PEFT directory) loaded at start (--lora-modules)
+    lora_modules_file: str | None = None                # adapters file followed while serving (lora_file.py)
+    lora_roots: tuple[tuple[str, str], ...] = ()         # (volume name, directory) the file's roots (--lora-root)
 
 
 class Server:
@@ -85,6 +88,8 @@ class Server:
         self.checkpointer: PrefixCheckpointer | None = None
         self._saver: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
+        self.adapter_file: AdapterFile | None = None
+        self._adapter_follower: asyncio.Task | None = None
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -127,6 +132,11 @@ class Server:
         self.engine = engine
         for name, path in self.config.lora_modules:       # --lora-modules: a bad one fails the start, named
             await asyncio.to_thread(engine.load_lora_adapter, name, path)
+        if self.config.lora_modules_file is not None:      # a refused adapter is reported, never fails the start
+            self.adapter_file = AdapterFile(engine, self.config.lora_modules_file, dict(self.config.lora_roots))
+            await asyncio.to_thread(self.adapter_file.sync)
+            self.metrics.lora_errors = lambda: {n: (e.file, e.field, e.reason)
+                                                for n, e in list(self.adapter_file.errors.items())}
         for phase, at in getattr(engine, "startup_marks", {}).items():
             self.phases.mark(phase, at)
         if self.config.warm_restart is not None:
@@ -153,6 +163,9 @@ class Server:
         self.phases.mark("first_token")
         if self.checkpointer is not None:
             self._saver = loop.create_task(self.checkpointer.run_periodically())
+        if self.adapter_file is not None:
+            self.adapter_file.on_change = self.engine_loop.refresh_snapshot
+            self._adapter_follower = loop.create_task(self.adapter_file.run())
         self.warm = True
         log.info("ready in %.1f s: %s (context %d tokens, %d KV blocks of %d); start-up phases (s since the "
                  "process started): %s", self.metrics.startup_seconds, cfg.served_model_names[0], ctx,
@@ -218,6 +231,8 @@ class Server:
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._adapter_follower is not None:
+            self._adapter_follower.cancel()
         if self._saver is not None:
             self._saver.cancel()
         if self.engine_loop is not None:
@@ -311,11 +326,13 @@ class Server:
                                   "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
             raise ApiError(503, "model is loading")
-        hashes = await asyncio.to_thread(self.engine.cached_block_hashes)
+        tiers = await asyncio.to_thread(self.engine.cached_block_hashes_by_tier)
+        hashes = tiers["accelerator"]
         return web.json_response({"model": self.config.served_model_names[0],
                                   "block_size": self.engine_loop.snapshot.stats.block_size,
                                   "hash": "sha256-chain-uint32le", "num_blocks": len(hashes),
-                                  "block_hashes": hashes})
+                                  "block_hashes": hashes, "host_block_hashes": tiers["host"],
+                                  "disk_block_hashes": tiers["disk"]})
 
     # ---- generation ------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -165,6 +165,11 @@ class EngineLoop:
             self._inbox.append(("abort", rid))
         self._wake.set()
 
+    def refresh_snapshot(self) -> None:
+        """Take the engine's stats now, on the event loop: a change made outside a step (an adapter loaded or
+        unloaded while the engine idles) shows on /metrics at once instead of at the next step."""
+        self.snapshot = Snapshot(self.engine.stats(), time.monotonic(), self.snapshot.drained_seq)
+
     def _deliver(self, outputs: list[RequestOutput], at: float, snapshot: Snapshot | None) -> None:
         if snapshot is not None:
             self.snapshot = snapshot

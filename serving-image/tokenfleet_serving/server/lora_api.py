@@ -72,6 +72,8 @@ async def load(server: Server, body) -> web.Response:
         raise ApiError(400, str(e), "lora_path") from e
     except ValueError as e:
         raise ApiError(400, str(e), "lora_name") from e
+    if server.engine_loop is not None:
+        server.engine_loop.refresh_snapshot()
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({seconds:.3f} s).")
 
 
@@ -83,5 +85,7 @@ async def unload(server: Server, body) -> web.Response:
         gone = await asyncio.to_thread(server.engine.unload_lora_adapter, name)
     except UnknownAdapter as e:
         raise not_found(server, name) from e
+    if server.engine_loop is not None:
+        server.engine_loop.refresh_snapshot()
     note = "" if gone else " (it goes when its running requests finish)"
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully{note}.")

@@ -90,20 +90,30 @@ def config_from_args(args: ServeArgs):
     if parallel.world_size > 1 and (args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR")):
         raise ValueError("--prefix-checkpoint-dir (warm restart) is not implemented with --tensor-parallel-size > 1 "
                          "yet: each rank holds part of every KV block")
-    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          kv_cache_bytes=args.kv_cache_mb * 2**20, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
-                          quantization=args.quantization, speculative=speculative_config(args),
-                          load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
-                          model_revision=args.model_revision, lora=lora_config(args),
-                          served_model_names=args.served_model_name or (),
-                          structured_output_timeout_s=args.structured_output_timeout,
-                          structured_output_cache_size=args.structured_output_cache_size)
+    from tokenfleet_serving.engine.kv_offload import KVOffloadConfig
+
     directory = args.prefix_checkpoint_dir or os.environ.get("TOKENFLEET_PREFIX_CHECKPOINT_DIR") or None
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
                              args.model_revision) if directory else None
+    disk_path = args.kv_offload_disk_path or (warm.store if warm is not None else None)   # warm restart's store
+    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, disk_path, args.kv_offload_disk_mb * 2**20)
+    if offload.enabled and parallel.world_size > 1:
+        raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
+                         "implemented yet: each rank would need its own tier of its KV shard")
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                          kv_cache_bytes=args.kv_cache_bytes, memory_utilization=args.gpu_memory_utilization,
+                          device_memory_bytes=args.accelerator_memory_bytes,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, speculative=speculative_config(args),
+                          load_format=args.load_format, parallel=parallel if parallel.world_size > 1 else None,
+                          model_revision=args.model_revision, lora=lora_config(args),
+                          served_model_names=args.served_model_name or (),
+                          structured_output_timeout_s=args.structured_output_timeout,
+                          structured_output_cache_size=args.structured_output_cache_size,
+                          kv_offload=offload if offload.enabled else None)
     return ServerConfig(engine=engine, served_model_names=args.served_model_names,
                         api_key=args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
@@ -111,7 +121,8 @@ def config_from_args(args: ServeArgs):
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         engine_stall_timeout_s=args.engine_stall_timeout, warm_restart=warm,
-                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or ())
+                        tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules or (),
+                        lora_modules_file=args.lora_modules_file, lora_roots=args.lora_root or ())
 
 
 async def serve(config, host: str, port: int, *, on_listening=None, server_holder: list | None = None,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenfleet_serving.contract.cost import cost_per_million_tokens
+from tokenfleet_serving.contract.lora_adapters import ADAPTER_ERROR_METRIC
 from tokenfleet_serving.engine.engine import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -131,6 +132,8 @@ class ServerMetrics:
         self.output_rate = RateWindow(window_s)
         self.snapshot: Callable[[], EngineStats | None] = lambda: None
         self.state: Callable[[], dict[str, bool]] = lambda: {}
+        # adapters the --lora-modules-file refused: name -> (file, field, reason)
+        self.lora_errors: Callable[[], dict[str, tuple[str, str, str]]] = dict
         reg.register(_EngineCollector(self))
 
     def configure(self, max_model_len: int, prefix_caching: bool) -> None:
@@ -251,6 +254,16 @@ class _EngineCollector:
             yield from _spec_decode_metrics(s.spec_decode, names, values)
         if s.lora is not None:
             yield from _lora_metrics(s.lora, names, values, time.time())
+        if s.kv_offload is not None:
+            yield from _kv_offload_metrics(s.kv_offload, names, values)
+        errors = m.lora_errors()
+        if errors:
+            info = GaugeMetricFamily(ADAPTER_ERROR_METRIC, "LoRA adapters of --lora-modules-file the engine "
+                                     "refused, with the adapter file and field (or tensor) at fault.",
+                                     labels=names + ["adapter", "file", "field", "reason"])
+            for adapter, (file, field_, reason) in sorted(errors.items()):
+                info.add_metric(values + [adapter, file, field_, reason[:500]], 1.0)
+            yield info
         rate = m.output_rate.rate()
         yield gauge("tokenfleet:output_tokens_per_second",
                     f"Generated tokens per second over the last {m.output_rate.window_s:g} s.", rate)
@@ -284,6 +297,47 @@ def _lora_metrics(lora, names: list[str], values: list[str], at: float) -> Itera
     for adapter in lora.adapters:
         loaded.add_metric(values + [adapter], 1.0 if adapter in lora.in_memory else 0.0)
     yield loaded
+
+
+def _kv_offload_metrics(tiers, names: list[str], values: list[str]) -> Iterable[Metric]:
+    """Per tier (accelerator, host, disk) of the prefix cache: vLLM's prefix_cache_queries/hits split by the tier
+    that served them, blocks moved in bytes and seconds per direction (``store`` into a tier, ``load`` out of it
+    towards the accelerator), blocks held, and whether the tier is on (a disk tier switches itself off on a
+    write error)."""
+    queries = CounterMetricFamily("tokenfleet:kv_offload_prefix_cache_queries", "Prompt tokens looked up in each "
+                                  "tier of the prefix cache (those the tiers above it missed).",
+                                  labels=names + ["tier"])
+    hits = CounterMetricFamily("tokenfleet:kv_offload_prefix_cache_hits", "Prompt tokens served by each tier of "
+                               "the prefix cache (lower tiers: copied back instead of recomputed).",
+                               labels=names + ["tier"])
+    moved = CounterMetricFamily("tokenfleet:kv_offload_bytes", "Bytes of KV blocks moved into (store) or out of "
+                                "(load) each lower tier.", labels=names + ["tier", "direction"])
+    seconds = CounterMetricFamily("tokenfleet:kv_offload_seconds", "Seconds spent moving KV blocks into (store) or "
+                                  "out of (load) each lower tier.", labels=names + ["tier", "direction"])
+    blocks = GaugeMetricFamily("tokenfleet:kv_offload_blocks", "Blocks each lower tier holds.",
+                               labels=names + ["tier"])
+    capacity = GaugeMetricFamily("tokenfleet:kv_offload_capacity_blocks", "Blocks each lower tier can hold.",
+                                 labels=names + ["tier"])
+    enabled = GaugeMetricFamily("tokenfleet:kv_offload_tier_enabled", "1 while a lower tier is in use; 0 when "
+                                "it is not configured or switched itself off (unwritable or full disk).",
+                                labels=names + ["tier"])
+    errors = CounterMetricFamily("tokenfleet:kv_offload_errors", "Lower-tier errors: unwritable, write (the tier "
+                                 "switched off), corrupt, foreign, forged (a block refused).",
+                                 labels=names + ["tier", "reason"])
+    for tier, c in tiers.items():
+        queries.add_metric(values + [tier], c.queries)
+        hits.add_metric(values + [tier], c.hits)
+        if tier == "accelerator":
+            continue
+        for direction, b, t in (("store", c.store_bytes, c.store_seconds), ("load", c.load_bytes, c.load_seconds)):
+            moved.add_metric(values + [tier, direction], b)
+            seconds.add_metric(values + [tier, direction], t)
+        blocks.add_metric(values + [tier], c.blocks)
+        capacity.add_metric(values + [tier], c.capacity_blocks)
+        enabled.add_metric(values + [tier], 1.0 if c.enabled else 0.0)
+        for reason, n in sorted(c.errors.items()):
+            errors.add_metric(values + [tier, reason], n)
+    yield from (queries, hits, moved, seconds, blocks, capacity, enabled, errors)
 
 
 def _spec_decode_metrics(sd, names: list[str], values: list[str]) -> Iterable[Metric]:

@@ -1,16 +1,19 @@
-"""Warm restart: the server saves its hottest prefix-cache blocks and a replacement loads them.
+"""Warm restart: the server keeps its hottest prefix-cache blocks in its disk tier, and a replacement starts on it.
 
-With ``--prefix-checkpoint-dir DIR`` the server
+With ``--prefix-checkpoint-dir DIR`` the server's KV disk tier (``engine/kv_offload.py``) is its warm-restart
+store: ``DIR/NAME`` (NAME is ``--prefix-checkpoint-name``, the replica's name, so a replacement finds the tier
+of the replica it replaces), or ``--kv-offload-disk-path`` when that is given. The server
 
-- loads ``DIR/NAME.tfprefix`` when it starts (NAME is ``--prefix-checkpoint-name``, the replica's name, so a
-  replacement finds the file of the replica it replaces; without that file, the newest one in DIR), after the
-  weights and before the warm-up, so the first requests that share a cached prefix hit at once;
-- saves it every ``--prefix-checkpoint-interval`` seconds (skipped when the cache's hottest blocks did not
-  change) and once more when it drains (SIGTERM), after the last request finished.
+- **loads** at start, after the weights and before its warm-up: the disk tier indexes its block files (those of
+  this model, revision, dtype, KV dtype and block size only), and the most recently written blocks, up to
+  ``--prefix-checkpoint-max-mb`` and the free pool, are copied into the accelerator tier, so the first requests
+  that share a cached prefix hit at once; the rest stay on disk and are copied back on their first hit;
+- **saves** every ``--prefix-checkpoint-interval`` seconds and once more when it drains (SIGTERM), after its
+  last request: the hottest cached blocks of the accelerator and host tiers, up to ``--prefix-checkpoint-max-mb``,
+  that the disk tier does not hold yet (blocks evicted from the host tier are written there anyway).
 
-A checkpoint of another model, revision, dtype or KV layout is refused, and a corrupt or truncated one
-ignored: the server then starts cold and its log says why (``engine/prefix_checkpoint.py``). Nothing about
-a checkpoint can stop the server from starting.
+There is one format: the disk tier's checksummed block files. A corrupt, foreign or forged block is never
+loaded (the log says which and why); nothing about the store can stop the server from starting.
 """
 from __future__ import annotations
 
@@ -19,16 +22,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from tokenfleet_serving.engine.prefix_checkpoint import (
-    SUFFIX,
-    CheckpointUnusable,
-    engine_identity,
-    export_snapshot,
-    import_snapshot,
-    read_checkpoint,
-    write_checkpoint,
-)
 
 log = logging.getLogger("tokenfleet.serve.warm_restart")
 
@@ -41,82 +34,71 @@ class WarmRestartConfig:
     max_bytes: int = 256 * 2**20
     revision: str | None = None       # default: a fingerprint of the weight files
 
+    @property
+    def store(self) -> str:
+        """The disk tier's directory when ``--kv-offload-disk-path`` does not name one."""
+        return str(Path(self.directory) / self.name)
+
 
 @dataclass
 class LoadResult:
     blocks: int = 0
     seconds: float = 0.0
     source: str | None = None
-    refused: str | None = None        # why nothing was loaded, when a file was there
+    refused: str | None = None        # why nothing was loaded, when a store was there
 
 
 class PrefixCheckpointer:
     def __init__(self, config: WarmRestartConfig, engine):
         self.config = config
         self.engine = engine
-        self.identity = engine_identity(engine, config.revision)
-        self.path = Path(config.directory) / f"{config.name}{SUFFIX}"
-        pool = engine.runner.kv_pool
-        bytes_per_block = pool[:, :, :, 0].numel() * pool.element_size()
-        self.max_blocks = max(1, config.max_bytes // bytes_per_block)
-        self._last_saved: tuple[bytes, ...] | None = None
+        offload = engine.offload
+        if offload is None or offload.disk is None:
+            raise ValueError("warm restart needs the engine's disk tier (--prefix-checkpoint-dir gives it one)")
+        self.disk = offload.disk
+        self.max_blocks = max(1, config.max_bytes // offload.io.block_bytes)
         self._lock = asyncio.Lock()
         self.saves = 0
 
-    def _source(self) -> Path | None:
-        if self.path.is_file():
-            return self.path
-        others = [p for p in Path(self.config.directory).glob(f"*{SUFFIX}") if p.is_file()]
-        return max(others, key=lambda p: p.stat().st_mtime) if others else None
-
     def load(self) -> LoadResult:
-        """Load the checkpoint into the (idle) engine; never raises."""
+        """Copy the store's newest blocks into the (idle) engine's accelerator tier; never raises."""
         t0 = time.monotonic()
+        source = str(self.disk.path)
+        if not self.disk.enabled:
+            log.warning("warm restart: the store %s cannot be used, starting cold", source)
+            return LoadResult(source=source, refused="disk tier switched off")
+        on_disk = len(self.disk.hashes())
+        if not on_disk:
+            log.info("warm restart: no prefix-cache blocks of this model in %s yet; starting cold", source)
+            return LoadResult(source=source)
         try:
-            source = self._source()
-        except OSError as exc:
-            log.warning("warm restart: cannot list %s (%s); starting cold", self.config.directory, exc)
-            return LoadResult(refused=str(exc))
-        if source is None:
-            log.info("warm restart: no prefix checkpoint in %s yet; starting cold", self.config.directory)
-            return LoadResult()
-        try:
-            snap, header = read_checkpoint(source, self.identity)
-            blocks = import_snapshot(self.engine, snap)
-        except CheckpointUnusable as exc:
-            log.warning("warm restart: prefix checkpoint refused, starting cold: %s", exc)
-            return LoadResult(source=str(source), refused=str(exc))
-        except Exception as exc:  # noqa: BLE001 - a checkpoint must never keep the server from starting
-            log.warning("warm restart: cannot load %s (%s: %s); starting cold", source, type(exc).__name__, exc)
-            return LoadResult(source=str(source), refused=f"{type(exc).__name__}: {exc}")
+            blocks = self.engine.load_from_disk_tier(self.max_blocks)
+        except Exception as exc:  # noqa: BLE001 - a store must never keep the server from starting
+            log.warning("warm restart: cannot load from %s (%s: %s); starting cold", source, type(exc).__name__, exc)
+            return LoadResult(source=source, refused=f"{type(exc).__name__}: {exc}")
         seconds = time.monotonic() - t0
-        age = time.time() - float(header.get("created", time.time()))
-        log.info("warm restart: loaded %d prefix-cache blocks from %s (written by %s, %.0f s ago) in %.2f s",
-                 blocks, source, header.get("written_by", "?"), age, seconds)
-        self._last_saved = tuple(snap.hashes)
-        return LoadResult(blocks, seconds, str(source))
+        log.info("warm restart: loaded %d prefix-cache blocks from %s (of %d there) in %.2f s", blocks, source,
+                 on_disk, seconds)
+        return LoadResult(blocks, seconds, source, None if blocks else "no usable block")
 
     def save(self, reason: str) -> int | None:
-        """Write the checkpoint (blocking; call it off the event loop); returns its size in bytes, or None
-        when the hottest blocks are those of the last save."""
+        """Write the hottest blocks the store lacks (blocking; call it off the event loop); returns how many, or
+        None when there were none."""
         t0 = time.monotonic()
-        snap = export_snapshot(self.engine, self.max_blocks)
-        key = tuple(snap.hashes)
-        if key == self._last_saved:
+        written = self.engine.flush_kv_to_disk(self.max_blocks)
+        if not written:
             return None
-        size = write_checkpoint(self.path, snap, self.identity, written_by=self.config.name, reason=reason)
-        self._last_saved = key
         self.saves += 1
-        log.info("warm restart: saved %d prefix-cache blocks (%.1f MB) to %s (%s) in %.2f s", len(snap),
-                 size / 2**20, self.path, reason, time.monotonic() - t0)
-        return size
+        log.info("warm restart: saved %d prefix-cache blocks to %s (%s) in %.2f s", written, self.disk.path, reason,
+                 time.monotonic() - t0)
+        return written
 
     async def save_async(self, reason: str) -> int | None:
         async with self._lock:
             try:
                 return await asyncio.to_thread(self.save, reason)
-            except Exception as exc:  # noqa: BLE001 - a failed save leaves the previous file; serving goes on
-                log.warning("warm restart: saving the prefix checkpoint failed (%s: %s)", type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - a failed save leaves what was there; serving goes on
+                log.warning("warm restart: saving the prefix cache failed (%s: %s)", type(exc).__name__, exc)
                 return None
 
     async def run_periodically(self) -> None:

@@ -4,8 +4,10 @@ and starts no reconcile loop.
 
 One InferenceService (and its Slice, and a SliceQueue) is taken through the states a pipeline sees: new (the
 operator has not seen it), progressing (waiting for capacity), ready, degraded (a replica restarting) and failed
-(a replica that spent its restart budget). With TOKENFLEET_CAPTURE_ARGO_TESTDATA=1 the objects are written to the
-health checks' testdata (manifests/argocd/...), which health_test.yaml and the unit tests read.
+(a replica that spent its restart budget). A TokenRoute is seen new, ready (over that service, whose router pod
+KWOK marks Ready like the route's own) and degraded (a route naming a missing target: Stalled). With
+TOKENFLEET_CAPTURE_ARGO_TESTDATA=1 the objects are written to the health checks' testdata (manifests/argocd/...),
+which health_test.yaml and the unit tests read.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ pytestmark = [pytest.mark.slow]
 
 CAPTURE = os.environ.get("TOKENFLEET_CAPTURE_ARGO_TESTDATA") == "1"
 SYNC_MANAGER = "argocd-controller"     # the field manager of a GitOps sync (Argo CD's; Flux uses kustomize-controller)
-PLURAL = {"InferenceService": "inferenceservice", "Slice": "slice", "SliceQueue": "slicequeue"}
+PLURAL = {"InferenceService": "inferenceservice", "Slice": "slice", "SliceQueue": "slicequeue",
+          "TokenRoute": "tokenroute"}
 
 
 def service(name: str, accel: str, *, max_restarts: int, backoff: int) -> dict:
@@ -39,6 +42,11 @@ def service(name: str, accel: str, *, max_restarts: int, backoff: int) -> dict:
                      "slicePolicy": {"topologyKey": "tokenfleet.dev/block",
                                      "restartPolicy": {"maxRestarts": max_restarts, "backoffSeconds": backoff,
                                                        "maxBackoffSeconds": max(backoff, 300)}}}}
+
+
+def token_route(name: str, *targets: str) -> dict:
+    return {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "TokenRoute", "metadata": {"name": name},
+            "spec": {"model": "chat", "targets": [{"inferenceService": t} for t in targets]}}
 
 
 def sync(cluster, manifest: dict, namespace: str | None) -> str:
@@ -108,15 +116,18 @@ def test_gitops_tools_read_each_state_and_a_repeated_sync_changes_nothing(cluste
     svc = service("svc", accel, max_restarts=1, backoff=1)
     deg = service("deg", accel, max_restarts=2, backoff=3600)
     waiting = service("wait", f"none-{tag}", max_restarts=1, backoff=1)    # no node has this accelerator
+    route = token_route("chat", "svc")
+    broken = token_route("broken", "svc", "missing")                          # no InferenceService "missing"
     see = Observer(cluster, namespace)
     op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--resync-seconds=3600",))
     try:
         # new: the operator has not seen the objects yet
-        for manifest in (svc, deg, waiting):
+        for manifest in (svc, deg, waiting, route, broken):
             sync(cluster, manifest, namespace)
         sync(cluster, queue, None)
         see.look("InferenceService", "svc", "new", "InProgress", "Progressing")
         see.look("SliceQueue", queue["metadata"]["name"], "new", "InProgress", "Progressing")
+        see.look("TokenRoute", "chat", "new", "InProgress", "Progressing")
 
         op.start()
         waited = cluster.kubectl("wait", "--for=condition=Ready", "inferenceservice/svc", "inferenceservice/deg",
@@ -137,10 +148,20 @@ def test_gitops_tools_read_each_state_and_a_repeated_sync_changes_nothing(cluste
         wait_for("the queue's status", lambda: (get_json(cluster, "slicequeue", queue["metadata"]["name"]) or {})
                  .get("status", {}).get("observedGeneration") == 1, 60, op)
         see.look("SliceQueue", queue["metadata"]["name"], "ready", "Current", "Healthy")
+        # a route over svc is Ready once its own router pod and svc's router pod are; one naming a missing
+        # target is Stalled (only a person helps), whatever its other target does
+        waited = cluster.kubectl("wait", "--for=condition=Ready", "tokenroute/chat", "-n", namespace,
+                                 "--timeout=60s", check=False, timeout=80)
+        assert waited.returncode == 0, waited.stderr + op.log()
+        see.look("TokenRoute", "chat", "ready", "Current", "Healthy")
+        wait_for("broken stalled", lambda: condition(get_json(cluster, "tokenroute", "broken", "-n", namespace),
+                                                     "Stalled").get("status") == "True", 30, op)
+        obj = see.look("TokenRoute", "broken", "degraded", "Failed", "Degraded")
+        assert "InferenceService missing does not exist" in condition(obj, "TargetsResolved")["message"]
 
         # a GitOps sync of the same manifests changes nothing and starts no reconcile
         before = settled(op)
-        manifests = [(svc, namespace), (deg, namespace), (waiting, namespace), (queue, None)]
+        manifests = [(svc, namespace), (deg, namespace), (waiting, namespace), (route, namespace), (queue, None)]
         versions = [sync(cluster, m, ns) for m, ns in manifests]
         for _ in range(2):
             assert [sync(cluster, m, ns) for m, ns in manifests] == versions

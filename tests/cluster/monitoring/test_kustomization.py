@@ -34,6 +34,7 @@ def test_the_monitoring_kustomization_applies_and_its_dashboards_are_labelled_fo
         [(name, text)] = m["data"].items()
         assert json.loads(text)["uid"] == "tokenfleet-" + name.removesuffix(".json")
     monitors = get_json(cluster, "podmonitors", "-n", "tokenfleet-system")["items"]
-    assert sorted(m["metadata"]["name"] for m in monitors) == ["tokenfleet-operator", "tokenfleet-router", "tokenfleet-serving"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == ["tokenfleet-operator", "tokenfleet-route", "tokenfleet-router",
+                                                              "tokenfleet-serving"]
     rule = get_json(cluster, "prometheusrule", "tokenfleet", "-n", "tokenfleet-system")
     assert rule["spec"] == yaml.safe_load((REPO / "manifests" / "monitoring" / "prometheus" / "rules.yaml").read_text())

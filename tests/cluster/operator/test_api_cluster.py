@@ -162,6 +162,13 @@ HARDENED = [
     # defect 9: a model name is never a flag
     (isvc("svc", model={"path": "/m", "servedModelNames": ["--api-key"]}), ["spec.model.servedModelNames[0]"]),
     (isvc("svc", model={"path": "/m", "servedModelNames": ["two words"]}), ["spec.model.servedModelNames[0]"]),
+    # issue 34: one way to size the KV cache, quantities and fractions in range
+    (with_engine(kvCacheMemory="20Gi", acceleratorMemoryUtilization=0.8),
+     ["spec.engine.kvCacheMemory", "at most one of kvCacheMemory"]),
+    (with_engine(kvCacheMb=512, kvCacheMemory="1Gi"), ["spec.engine.kvCacheMemory", "at most one of kvCacheMemory"]),
+    (with_engine(acceleratorMemoryUtilization=1.5), ["spec.engine.acceleratorMemoryUtilization"]),
+    (with_engine(kvCacheMemory="-1Gi"), ["spec.engine.kvCacheMemory"]),
+    (with_engine(kvCacheDtype="int4"), ["spec.engine.kvCacheDtype"]),
 ]
 INVALID += HARDENED
 

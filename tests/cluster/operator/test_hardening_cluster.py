@@ -10,9 +10,11 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -303,18 +305,29 @@ def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_
         assert "spec.engine.extraArgs" in ready["message"] and "--api-key" in ready["message"]
         assert names(cluster, "slices", namespace, "tokenfleet.dev/inference-service=args") == []
 
-        # a model that is not there: the server exits 1 and says why; the Slice and the service carry it
-        missing = serving_isvc("gone", "/nonexistent/tokenfleet-model")
-        missing["spec"]["slicePolicy"]["restartPolicy"] = {"maxRestarts": 0, "backoffSeconds": 1}
-        apply(cluster, missing, namespace)
+        # a model that is not there: the model-shape pod cannot read it, so no Slice is placed for it at all
+        apply(cluster, serving_isvc("gone", "/nonexistent/tokenfleet-model"), namespace)
+        unreadable = wait_for("ModelNotReadable", lambda: (lambda c: c if c.get("reason") == "ModelNotReadable" else None)(
+            condition(isvc_obj(cluster, namespace, "gone"), "Ready")), 180, op)
+        assert "spec.model" in unreadable["message"] and "/nonexistent/tokenfleet-model" in unreadable["message"]
+        assert names(cluster, "slices", namespace, "tokenfleet.dev/inference-service=gone") == []
+
+        # a model whose config reads but whose weights are missing: the server exits 1 and says why; the Slice
+        # and the service carry it
+        broken = tmp_path / "weightless-model"
+        broken.mkdir()
+        shutil.copy(Path(pod_model) / "config.json", broken / "config.json")
+        weightless = serving_isvc("weightless", broken)
+        weightless["spec"]["slicePolicy"]["restartPolicy"] = {"maxRestarts": 0, "backoffSeconds": 1}
+        apply(cluster, weightless, namespace)
         failed = wait_for("the Slice Failed", lambda: (lambda s: s if (s or {}).get("status", {}).get("phase") == "Failed"
-                                                       else None)(get_json(cluster, "slice", "gone-0", "-n", namespace)),
-                          240, op)
+                                                       else None)(get_json(cluster, "slice", "weightless-0", "-n",
+                                                                           namespace)), 240, op)
         message = condition(failed, "Failed")["message"]
-        assert "container engine exited with code 1" in message and "/nonexistent/tokenfleet-model" in message
-        svc = wait_for("the service shows it", lambda: (lambda o: o if "/nonexistent/tokenfleet-model" in
+        assert "container engine exited with code 1" in message and "no *.safetensors file" in message, message
+        svc = wait_for("the service shows it", lambda: (lambda o: o if "no *.safetensors file" in
                                                         condition(o, "Ready").get("message", "") else None)(
-            isvc_obj(cluster, namespace, "gone")), 60, op)
+            isvc_obj(cluster, namespace, "weightless")), 60, op)
         assert condition(svc, "Ready")["reason"] == "SliceFailed"
 
         # a draft model the server cannot take: it exits 2 (a configuration error) and, with restarts to spare

@@ -259,3 +259,18 @@ def test_a_member_that_cannot_reach_the_leader_says_so_in_the_slice_condition(cl
     message = condition(failed, "Failed")["message"]
     assert "rank 1 of 2 could not join" in message and ":29999" in message, message
     assert get_json(cluster, "service", "lonely", "-n", namespace)["spec"]["clusterIP"] == "None"
+
+
+def test_a_max_model_len_the_kv_budget_cannot_hold_is_refused_naming_the_fields(cluster, namespace, operator, pod_model):
+    """Issue 34: one replica on CPU whose kvCacheMemory cannot hold a context of maxModelLen once: the operator
+    reads the model's shape (the pod runs), then refuses with KVCacheTooSmall before any Slice exists."""
+    small = isvc("kvsmall", model={"path": str(pod_model), "servedModelNames": ["tiny"]}, replicas=1,
+                 image=SERVING_IMAGE, accelerator={"type": "cpu"},
+                 engine={"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": "64Ki"})
+    apply(cluster, small, namespace)
+    ready = wait_for("Ready=False KVCacheTooSmall", lambda: (lambda c: c if c.get("reason") == "KVCacheTooSmall"
+                                                             else None)(
+        condition(isvc_obj(cluster, namespace, "kvsmall"), "Ready")), 180, operator)
+    assert ready["status"] == "False"
+    assert "maxModelLen 512" in ready["message"] and "spec.engine.kvCacheMemory" in ready["message"]
+    assert names(cluster, "slices", namespace) == []

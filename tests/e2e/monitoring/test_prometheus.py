@@ -1,8 +1,9 @@
 """The shipped monitoring on a real Prometheus (Debian's), scraping a live fleet on the local plane.
 
 A real InferenceService (a serving pod of the generated model, run by the pod runner, and its router) under load,
-a batch Slice that checkpoints, a Slice that cannot be placed, a SliceQueue with an admission timeout, and a gang
-restart halfway through. Prometheus scrapes the operator, the routers and the serving pods through the shipped
+a batch Slice that checkpoints, a Slice that cannot be placed, a SliceQueue with an admission timeout, a TokenRoute
+over the service that some requests go through, and a gang restart halfway through. Prometheus scrapes the
+operator, the routers, the route's router and the serving pods through the shipped
 scrape configuration (its discovery swapped for a file of the same pod targets: Debian's build has no Kubernetes
 discovery; see harness/monitoring.py). Then every panel query of the three dashboards, every dashboard variable and
 every signal of every alert rule must return data over the run; the rule file loads in Prometheus itself.
@@ -139,10 +140,11 @@ class Load:
             t.join(timeout=90)
 
 
-def _router_url(cluster, namespace: str, name: str) -> str:
+def _router_url(cluster, namespace: str, name: str, selector: str = "") -> str:
+    selector = selector or f"tokenfleet.dev/inference-service={name},tokenfleet.dev/role=router"
+
     def ready_router():
-        pods = (get_json(cluster, "pods", "-n", namespace, "-l",
-                         f"tokenfleet.dev/inference-service={name},tokenfleet.dev/role=router") or {})["items"]
+        pods = (get_json(cluster, "pods", "-n", namespace, "-l", selector) or {})["items"]
         ok = [p for p in pods if condition(p, "Ready").get("status") == "True" and p["status"].get("podIP")]
         return ok[0] if ok else None
     pod = wait_for("a ready router pod", ready_router, 120)
@@ -179,6 +181,8 @@ def test_every_panel_query_and_alert_signal_returns_data_on_a_live_fleet(cluster
         apply(cluster, _service("svc", tiny_model, accel), namespace)
         wait_for("svc Ready", lambda: _ready(cluster, namespace, "svc"), 300, op)
         url = _router_url(cluster, namespace, "svc")
+        apply(cluster, {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "TokenRoute", "metadata": {"name": "chat"},
+                        "spec": {"model": "tiny", "targets": [{"inferenceService": "svc"}]}}, namespace)
 
         # Prometheus through the shipped configuration: 1 s scrapes instead of 15-30 s, discovery from a file
         shipped = yaml.safe_load((SHIPPED / "prometheus" / "prometheus.yml").read_text())
@@ -202,9 +206,31 @@ def test_every_panel_query_and_alert_signal_returns_data_on_a_live_fleet(cluster
 
         def up(job):
             return any(s["value"][1] == "1" for s in prom.query(f'up{{job="{job}"}}'))
-        for job in ("tokenfleet-operator", "tokenfleet-router", "tokenfleet-serving"):
+        route_url = _router_url(cluster, namespace, "chat", "tokenfleet.dev/token-route=chat,tokenfleet.dev/role=route")
+        for job in ("tokenfleet-operator", "tokenfleet-router", "tokenfleet-serving", "tokenfleet-route"):
             wait_for(f"Prometheus scraping {job}", lambda job=job: up(job), 90, op)
         wait_for("some load served", lambda: load.codes.get(200, 0) >= 10, 120, op)
+        wait_for("the route Ready over svc", lambda: (o := get_json(cluster, "tokenroute", "chat", "-n", namespace))
+                 and condition(o, "Ready").get("status") == "True" and o["status"].get("readyTargets") == 1, 60, op)
+
+        def routed(i: int) -> str | None:
+            """A request through the route: the target it went to, or None while the route cannot reach svc."""
+            req = urllib.request.Request(f"{route_url}/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [
+                                             {"role": "user", "content": f"routed question {i}"}]}).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.headers["x-tokenfleet-route-target"]
+            except urllib.error.HTTPError as e:
+                assert e.code == 503, (e.code, e.read()[:300])
+                return None
+        # the route's router reads the endpoints the operator writes within a second or two of the kubelet's sync
+        assert wait_for("a request through the route", lambda: routed(0), 60, op) == "svc"
+        assert [routed(i) for i in range(1, 4)] == ["svc"] * 3
+        # only route-mode series are kept from the route's router (its requests are counted again by svc's router)
+        kept = {s["metric"]["__name__"] for s in prom.query('{job="tokenfleet-route"}')} - {"up"}
+        kept = {n for n in kept if not n.startswith("scrape_")}          # Prometheus's own per-scrape series
+        assert kept and all(n.startswith("tokenfleet_router_route_") for n in kept), kept
 
         # a gang restart: the serving member is deleted; the Slice restarts the gang and is placed again
         cluster.kubectl("delete", "pod", "-n", namespace, "svc-0-0", "--wait=false")

@@ -83,6 +83,7 @@ def test_cache_blocks_endpoint_lists_prompt_block_hashes(live_server, client):
     data = json.loads(body)
     expected = {h.hex() for h in hash_prefix_blocks(prompt, data["block_size"])}
     assert len(expected) == 3 and expected <= set(data["block_hashes"])
+    assert data["host_block_hashes"] == [] and data["disk_block_hashes"] == []     # no KV offload tiers here
 
 
 def test_logprobs(client):

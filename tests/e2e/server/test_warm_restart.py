@@ -1,8 +1,9 @@
-"""Warm restart: ``tokenfleet serve`` processes that save their prefix cache and a replacement that loads it.
+"""Warm restart: ``tokenfleet serve`` processes that keep their prefix cache in their disk tier (the store) and
+a replacement that starts on it.
 
-A replacement that finds its predecessor's checkpoint hits on the shared prefix with its first request and
-generates what the predecessor did (float32, greedy); one that finds a checkpoint of another model,
-revision or dtype, or a corrupt one, starts cold and says why in its log."""
+A replacement that finds its predecessor's blocks hits on the shared prefix with its first request and
+generates what the predecessor did (float32, greedy); one that finds blocks of another model, revision or
+dtype, or corrupt ones, starts cold and says why in its log."""
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def saved(tiny_model, tmp_path_factory):
         log = drain(srv)
     finally:
         srv.close()
-    assert "saved" in log and (store / "replica-0.tfprefix").is_file()
+    assert "saved" in log and list((store / "replica-0").glob("*.tfkv"))
     return {"store": store, "answers": answers}
 
 
@@ -90,25 +91,27 @@ def test_a_checkpoint_it_must_not_use_is_refused_and_the_replica_starts_cold(tin
                                                                              tmp_path_factory, case):
     from tokenfleet_serving.testing_models import create_random_checkpoint
 
-    data = (saved["store"] / "replica-0.tfprefix").read_bytes()
     model, extra, says = tiny_model, (), ""
+    (tmp_path / "replica-0").mkdir()
+    for f in (saved["store"] / "replica-0").glob("*.tfkv"):
+        data = f.read_bytes()
+        if case == "truncated":
+            data = data[: len(data) // 2]
+        elif case == "flipped":
+            data = bytes(data[:-1000]) + bytes([data[-1000] ^ 1]) + data[-999:]
+        (tmp_path / "replica-0" / f.name).write_bytes(data)
     if case == "other-weights":       # same architecture and config, other training: another revision
         model = create_random_checkpoint(tmp_path_factory.mktemp("other") / "tiny", max_position_embeddings=512,
                                          seed=99)
-        says = "another model, revision or dtype: revision"
+        says = "of another model, revision, dtype, KV dtype or block size"
     elif case == "dtype":
-        extra, says = ("--dtype", "bfloat16"), "dtype 'float32' here 'bfloat16'"
-    elif case == "truncated":
-        data, says = data[: len(data) // 2], "corrupt or truncated"
+        extra, says = ("--dtype", "bfloat16"), "of another model, revision, dtype, KV dtype or block size"
     else:
-        data = bytearray(data)
-        data[-1000] ^= 1
-        says = "corrupt or truncated"
-    (tmp_path / "replica-0.tfprefix").write_bytes(bytes(data))
+        says = "refused (corrupt)"
     srv = serve(model, tmp_path, "replica-0", *extra)
     try:
         log = "".join(srv.log)
-        assert "prefix checkpoint refused, starting cold" in log and says in log
+        assert says in log
         assert metric_values(srv.base_url)["tokenfleet:prefix_checkpoint_loaded_blocks"] == 0
         _, cached = complete(srv, SHARED + "one")
         assert cached == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -185,6 +186,24 @@ def test_max_cpu_loras_lets_idle_adapters_go_and_reads_them_again(base, adapters
     first = run(eng, [(prompt, "attn")])
     assert "attn" in eng.lora.loaded and len(eng.lora.loaded) == 2
     assert run(eng, [(prompt, "attn")]) == first
+
+
+def test_a_registered_adapter_is_checked_now_and_read_on_its_first_request(base, adapters, tmp_path):
+    """What --lora-modules-file does with an adapter that is not hot: its files checked, not kept in memory."""
+    name = next(iter(ADAPTERS))
+    loaded = engine(base, {name: adapters[name]})
+    prompt = prompts(11, 1)[0]
+    expected = run(loaded, [(prompt, name)])
+    eng = engine(base)
+    eng.register_lora_adapter(name, adapters[name])
+    assert eng.lora_adapters() == [name] and name not in eng.lora.loaded
+    assert run(eng, [(prompt, name)]) == expected and name in eng.lora.loaded
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters[name], bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        eng.register_lora_adapter("bad", bad)
+    assert "bad" not in eng.lora_adapters()
 
 
 def write(path, text: str | bytes) -> None:

@@ -56,9 +56,15 @@ def on_every_rank(chans: list[ShmChannel], fn) -> list:
     return results
 
 
+@pytest.mark.parametrize("in_c", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_all_reduce_sums_in_rank_order_on_every_rank_across_several_rounds(channels, size):
+def test_all_reduce_sums_in_rank_order_on_every_rank_across_several_rounds(channels, size, in_c):
     chans = channels(size, slot_bytes=4096)             # 1,000 floats per slot: the tensors take several rounds
+    if in_c:
+        assert all(c.comm is not None for c in chans), "the compiled kernels did not load"
+    else:
+        for c in chans:
+            c.comm = None                               # the Python rounds (no kernels, or not fp32)
     inputs = [[torch.randn(37, 129, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(5)]
               for r in range(size)]
 
@@ -79,23 +85,30 @@ def test_gather_and_broadcast_carry_messages_larger_than_a_slot(channels):
     parts = [torch.arange(3000, dtype=torch.float32).view(30, 100) + 10_000 * r for r in range(2)]
     message = os.urandom(5000)
 
+    wide = [torch.randn(3, 300, generator=torch.Generator().manual_seed(r)) for r in range(2)]  # a row > a slot
+
     def exchange(chan, r):
         gathered = chan.gather(parts[r])
+        columns = chan.gather_columns(parts[r])         # 2 rows of 100 floats a round: 15 rounds
+        wide_columns = chan.gather_columns(wide[r])
         empty = chan.broadcast_bytes(b"" if r == 0 else None)
         sent = chan.broadcast_bytes(message if r == 0 else None)
-        return gathered, empty, sent
+        return gathered, columns, wide_columns, empty, sent
 
-    (g0, e0, b0), (g1, e1, b1) = on_every_rank(chans, exchange)
+    (g0, c0, w0, e0, b0), (g1, c1, w1, e1, b1) = on_every_rank(chans, exchange)
     assert g1 is None and all(torch.equal(a, b) for a, b in zip(g0, parts))
+    assert c1 is None and torch.equal(c0, torch.cat(parts, dim=1))
+    assert w1 is None and torch.equal(w0, torch.cat(wide, dim=1))
     assert e0 == e1 == b"" and b0 == b1 == message
 
 
 def test_a_peer_that_never_arrives_fails_the_wait_within_the_timeout_naming_it(channels):
     chans = channels(2, slot_bytes=4096, timeout_s=1.0)
-    started = time.monotonic()
-    with pytest.raises(ShmPeerFailure, match="rank 1 did not arrive within 1s"):
-        chans[0].all_reduce(torch.ones(8))
-    assert 1.0 <= time.monotonic() - started < 3.0
+    for x in (torch.ones(8), torch.ones(8, dtype=torch.float64)):     # the compiled wait (fp32), Python's
+        started = time.monotonic()
+        with pytest.raises(ShmPeerFailure, match="rank 1 did not arrive within 1s"):
+            chans[0].all_reduce(x)
+        assert 1.0 <= time.monotonic() - started < 3.0
 
 
 def test_a_peer_that_exited_fails_the_wait_at_once_naming_it(channels):

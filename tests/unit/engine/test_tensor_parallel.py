@@ -66,6 +66,44 @@ def test_biases_tied_embeddings_and_one_kv_head_split_over_two_ranks(name, check
     assert (logits[2] - logits[1]).abs().max().item() < 1e-4
 
 
+def test_the_one_call_decoder_and_the_layer_loop_give_the_same_bits_at_tp2(tmp_path):
+    """Over shared memory each rank's compiled decoder sums across the ranks itself; the layer loop (rank 0 here,
+    rank 1 keeps the compiled call) must make the same rounds in the same order, with pieces of the MLP wider than
+    a slot's rows (hidden 512: 1,024 rows a slot) too."""
+    from tokenfleet_serving.engine import SamplingParams
+
+    model = create_random_checkpoint(tmp_path / "wide", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=4,
+                                     intermediate_size=256, vocab_size=512, initializer_range=0.2, seed=7)
+    prompts = w1_prompts(512, requests=10, prompt_len=130, seed=3)         # a 1,300-row prefill step
+    engine = open_engine(model, 2, threads=1, kv_cache_bytes=16 << 20, max_num_batched_tokens=2048)
+    runner = engine.runner
+    try:
+        assert runner.decoder_call is not None and engine.group.kernel_comm is not None
+        assert all(layer.piece_rows == 1024 for layer in runner.layers)
+        got = {}
+        for use in (True, False):
+            runner.use_decoder_call = use
+            seen: list[torch.Tensor] = []
+
+            def recording(batch, all_logits=False, seen=seen, forward=runner.forward):
+                seen.append(forward(batch, all_logits).clone())
+                return seen[-1]
+
+            runner.forward = recording
+            try:
+                engine.reset_prefix_cache()
+                outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            finally:
+                del runner.forward
+            got[use] = (probe_logits(engine, prompts), seen, [o.new_token_ids for o in outs])
+    finally:
+        engine.close()
+    (prefill, steps, tokens), (prefill_loop, steps_loop, tokens_loop) = got[True], got[False]
+    assert prefill.shape[0] == 1300 and torch.equal(prefill, prefill_loop)
+    assert len(steps) == len(steps_loop) == 6 and all(torch.equal(a, b) for a, b in zip(steps, steps_loop))
+    assert tokens == tokens_loop
+
+
 def test_each_rank_holds_its_share_of_weights_and_kv(checkpoints):
     one = open_engine(checkpoints["llama"], 1, kv_cache_bytes=8 << 20)
     two = open_engine(checkpoints["llama"], 2, threads=1, kv_cache_bytes=8 << 20)

@@ -1,4 +1,4 @@
-"""Argo CD health checks for InferenceService, Slice and SliceQueue, run on Lua as Argo CD runs them: every
+"""Argo CD health checks for InferenceService, Slice, SliceQueue and TokenRoute, run on Lua as Argo CD runs them: every
 case of each health_test.yaml (objects captured from the real plane in each state) gives the expected status
 and message."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ STATES = {
                          "degraded": "Degraded", "failed": "Degraded"},
     "Slice": {"progressing": "Progressing", "ready": "Healthy", "degraded": "Degraded", "failed": "Degraded"},
     "SliceQueue": {"new": "Progressing", "ready": "Healthy"},
+    "TokenRoute": {"new": "Progressing", "ready": "Healthy", "degraded": "Degraded"},
 }
 
 

@@ -9,6 +9,7 @@ import re
 import yaml
 
 from tokenfleet_dev.monitoring import alerts, dashboards, render
+from tokenfleet_operator.builders.token_route import route_labels
 
 from harness.monitoring import file_sd_config, pod_targets, run_promtool
 
@@ -68,7 +69,7 @@ def test_promtool_checks_the_prometheus_config(tmp_path):
     shipped = yaml.safe_load((SHIPPED / "prometheus" / "prometheus.yml").read_text())
     assert all(job["kubernetes_sd_configs"] == [sd] for job, sd in
                zip(shipped["scrape_configs"], [{"role": "pod", "namespaces": {"names": ["tokenfleet-system"]}},
-                                               {"role": "pod"}, {"role": "pod"}]))
+                                               {"role": "pod"}, {"role": "pod"}, {"role": "pod"}]))
     config = file_sd_config(shipped, tmp_path)
     (tmp_path / "rules.yaml").write_text((SHIPPED / "prometheus" / "rules.yaml").read_text())
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -79,7 +80,15 @@ def test_promtool_checks_the_prometheus_config(tmp_path):
 def test_pod_monitors_and_the_scrape_config_select_the_same_pods_with_the_same_labels():
     monitors = {m["metadata"]["name"]: m for m in yaml.safe_load_all((SHIPPED / "podmonitors.yaml").read_text())}
     jobs = {j["job_name"]: j for j in yaml.safe_load((SHIPPED / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]}
-    assert set(monitors) == set(jobs) == {"tokenfleet-operator", "tokenfleet-router", "tokenfleet-serving"}
+    assert set(monitors) == set(jobs) == {"tokenfleet-operator", "tokenfleet-router", "tokenfleet-serving", "tokenfleet-route"}
+    # a TokenRoute's router pods (role route) are selected, with the route's name, and keep only route-mode series
+    route = monitors["tokenfleet-route"]["spec"]
+    assert route["selector"]["matchLabels"] == {"tokenfleet.dev/role": "route"}
+    assert route_labels("chat")["tokenfleet.dev/role"] == "route" and route_labels("chat")["tokenfleet.dev/token-route"] == "chat"
+    assert route["podMetricsEndpoints"][0]["metricRelabelings"] == [
+        {"action": "keep", "sourceLabels": ["__name__"], "regex": "tokenfleet_router_route_.*"}]
+    assert jobs["tokenfleet-route"]["metric_relabel_configs"] == [
+        {"action": "keep", "source_labels": ["__name__"], "regex": "tokenfleet_router_route_.*"}]
     for name, monitor in monitors.items():
         job, spec = jobs[name], monitor["spec"]
         endpoint = spec["podMetricsEndpoints"][0]
@@ -92,9 +101,12 @@ def test_pod_monitors_and_the_scrape_config_select_the_same_pods_with_the_same_l
         names = (spec["namespaceSelector"].get("matchNames"))
         assert (job["kubernetes_sd_configs"][0].get("namespaces") or {}).get("names") == names
         copied = {r["target_label"]: r["source_labels"][0] for r in job["relabel_configs"]
-                  if r["action"] == "replace" and r["target_label"] in ("service", "slice")}
+                  if r["action"] == "replace" and r["target_label"] in ("service", "slice", "route")}
         assert copied == {r["targetLabel"]: r["sourceLabels"][0] for r in endpoint["relabelings"] if "sourceLabels" in r}
         assert {"targetLabel": "job", "replacement": name, "action": "replace"} in endpoint["relabelings"]
+        assert job.get("metric_relabel_configs", []) == [
+            {"action": r["action"], "source_labels": r["sourceLabels"], "regex": r["regex"]}
+            for r in endpoint.get("metricRelabelings", [])]
 
 
 def test_pod_discovery_for_the_test_prometheus_gives_kubernetes_labels():
@@ -139,7 +151,7 @@ def test_every_metric_a_query_reads_is_exported_by_the_operator_the_server_or_th
 
     known = {_base(f.name) for f in REGISTRY.collect()} | {"up"}
     serving = REPO / "serving-image" / "tokenfleet_serving"
-    for source in (serving / "server" / "metrics.py", serving / "router" / "metrics.py"):
+    for source in (serving / "server" / "metrics.py", serving / "router" / "metrics.py", serving / "router" / "route_mode.py"):
         known |= {_base(n) for n in re.findall(r'"((?:vllm|tokenfleet):[a-z_]+|tokenfleet_[a-z_]+)"', source.read_text())}
     known |= {_base(v) for k, v in vars(router_metrics).items() if k.isupper() and isinstance(v, str) and v.startswith("tokenfleet_")}
     exprs = [e for d in dashboards.DASHBOARDS for _, e in dashboards.panel_queries(dashboards.build(dashboards.DASHBOARDS[d]))]

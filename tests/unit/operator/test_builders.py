@@ -310,6 +310,38 @@ def test_warm_restart_passes_the_store_to_every_serving_member(store, mounted):
     assert (args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb) == (45, 64)
 
 
+def test_kv_offload_reaches_the_server_as_its_flags_and_warm_restart_puts_the_disk_tier_in_the_store():
+    from tokenfleet_dev.localcluster.launch import expand
+    from tokenfleet_serving.serve_args import argument_error, build_parser
+
+    body, spec = build(engine={"kvOffload": {"hostMemory": "8Gi", "diskPath": "/var/cache/kv", "diskSize": "20Gi"}})
+    argv = engine_args(spec, "/models")
+    assert argument_error(argv[2:]) is None
+    args = build_parser().parse_args(argv[2:])
+    assert (args.kv_offload_host_mb, args.kv_offload_disk_path, args.kv_offload_disk_mb) == (8192, "/var/cache/kv", 20480)
+    # no kvOffload: no tier; warm restart without a diskPath: the server's store is its disk tier (sized here)
+    body, spec = build()
+    assert not any(a.startswith("--kv-offload") for a in engine_args(spec, "/models"))
+    body, spec = build(warmRestart={"enabled": True}, slicePolicy={"checkpoint": {"store": "pvc://cache/llama"}},
+                       engine={"kvOffload": {"hostMemory": 500_000_000, "diskSize": "2Gi"}})
+    args = build_parser().parse_args([expand(a, {"TOKENFLEET_CHECKPOINT_DIR": "/c", "TOKENFLEET_SLICE": "s",
+                                                 "TOKENFLEET_MEMBER_INDEX": "0"}) for a in engine_args(spec, "/m")][2:])
+    assert args.kv_offload_disk_path is None and args.prefix_checkpoint_dir == "/c/prefix-cache"
+    assert (args.kv_offload_host_mb, args.kv_offload_disk_mb) == (476, 2048)     # 500 MB in whole MiB
+
+
+def test_kv_offload_is_refused_with_a_condition_for_a_replica_over_several_ranks():
+    from tokenfleet_operator.validation import check_inference_service
+
+    _, spec = build(engine={"kvOffload": {"hostMemory": "1Gi"}},
+                    accelerator={"type": "nvidia-h100-80gb", "countPerHost": 1})
+    assert not [p for p in check_inference_service(spec) if "kvOffload" in p.field]
+    _, spec = build(engine={"kvOffload": {"hostMemory": "1Gi"}},
+                    accelerator={"type": "nvidia-h100-80gb", "countPerHost": 2})
+    [problem] = [p for p in check_inference_service(spec) if p.field == "spec.engine.kvOffload"]
+    assert problem.reason == "NotInServingImage" and "2 ranks" in problem.message
+
+
 def test_no_warm_restart_no_prefix_checkpoint_flags_and_the_migration_limit_reaches_the_router():
     body, spec = build(slicePolicy={"checkpoint": {"store": "pvc://cache/llama"}})
     assert not any(a.startswith("--prefix-checkpoint") for a in engine_args(spec, "/models"))

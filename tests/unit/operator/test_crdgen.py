@@ -195,7 +195,8 @@ def test_unions_that_kubernetes_cannot_express_are_refused():
 def test_render_is_deterministic():
     assert crdgen.render_all() == crdgen.render_all()
     assert set(crdgen.render_all()) == {
-        "inferenceservices.tokenfleet.dev.yaml", "slices.tokenfleet.dev.yaml", "slicequeues.tokenfleet.dev.yaml"}
+        "inferenceservices.tokenfleet.dev.yaml", "slices.tokenfleet.dev.yaml", "slicequeues.tokenfleet.dev.yaml",
+        "tokenroutes.tokenfleet.dev.yaml"}
     assert InferenceService.crd.scale and not Slice.crd.scale
 
 

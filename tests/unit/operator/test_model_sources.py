@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[3]
 NOT_MODEL_SOURCES = {
     "spec.slicePolicy.checkpoint.store": "a checkpoint store URI; hostpath:// takes the same policy (validation)",
     "spec.checkpoint.store": "a Slice's checkpoint store URI; hostpath:// takes the same policy (validation)",
+    "spec.engine.kvOffload.diskPath": "a directory inside the serving container that the disk tier writes; the "
+                                      "operator mounts no volume for it, so it reaches no host path",
 }
 
 
@@ -63,9 +65,15 @@ def api_fields() -> list[tuple[str, type[BaseModel] | None, Any, str]]:
 
 
 def source_fields() -> set[str]:
-    """The API's model-source fields, by walking its models."""
-    return {path for resource in RESOURCES for path, _, annotation, _ in _fields(resource.model_fields["spec"].annotation, "spec")
-            if any(issubclass(m, ModelSource) and not suffix for m, suffix in _models_in(annotation))}
+    """The API's model-source fields, by walking its models (a list of sources as ``field[*]``)."""
+    return {path + suffix for resource in RESOURCES
+            for path, _, annotation, _ in _fields(resource.model_fields["spec"].annotation, "spec")
+            for m, suffix in _models_in(annotation) if issubclass(m, ModelSource) and suffix in ("", "[*]")}
+
+
+def first(field: str) -> str:
+    """The field path of the first item of a list source, as the operator names it."""
+    return field.replace("[*]", "[0]")
 
 
 def _spec(**overrides: Any) -> dict[str, Any]:
@@ -80,10 +88,17 @@ def _model(source: dict[str, Any]) -> dict[str, Any]:
     return _spec(model={**source, "servedModelNames": ["m"]})
 
 
+def _adapter(source: dict[str, Any]) -> dict[str, Any]:
+    """An adapter on a replica of one accelerator of the bundled image (what adapters need)."""
+    return {**_spec(adapters=[{"name": "sql", **source}]), "image": "tokenfleet/serving:0.1.0",
+            "accelerator": {"type": "nvidia-h100-80gb", "countPerHost": 1}}
+
+
 # One spec maker per model source: it puts the given source there (and keeps every other source in the image).
 EXAMPLES = {
     "spec.model": _model,
     "spec.engine.speculativeDecoding.draftModel": _draft,
+    "spec.adapters[*]": _adapter,
 }
 
 
@@ -93,7 +108,7 @@ def test_every_model_source_is_found_has_an_example_and_is_documented():
     assert found == set(EXAMPLES), "a model source without an example below: add one, and a row to docs/security.md"
     text = (REPO / "docs" / "security.md").read_text()
     section = text.split("### Model sources", 1)[1].split("\n#", 1)[0]
-    documented = set(re.findall(r"^\| `(spec\.[A-Za-z.]+)`", section, re.MULTILINE))
+    documented = set(re.findall(r"^\| `(spec\.[A-Za-z.\[\]*]+)`", section, re.MULTILINE))
     assert documented == found, "docs/security.md's table of model sources must list every model source"
 
 
@@ -124,7 +139,7 @@ def test_a_host_path_outside_the_allowed_prefix_is_refused_for_every_source(fiel
     spec = InferenceServiceSpec.model_validate(EXAMPLES[field]({"hostPath": {"path": path}}))
     policy = OperatorPolicy.from_flags(["/data/models"])
     [problem] = check_inference_service(spec, policy)
-    assert (problem.reason, problem.field) == ("HostPathNotAllowed", f"{field}.hostPath.path")
+    assert (problem.reason, problem.field) == ("HostPathNotAllowed", f"{first(field)}.hostPath.path")
     assert path in problem.message and "--allow-host-path" in problem.message and "/data/models" in problem.message
     assert check_inference_service(spec, DENY_HOST_PATHS)[0].reason == "HostPathNotAllowed"
 
@@ -150,7 +165,8 @@ def test_every_source_refuses_paths_that_climb_out(field, source, bad):
     with pytest.raises(ValidationError) as refused:
         InferenceServiceSpec.model_validate(EXAMPLES[field](source))
     [error] = refused.value.errors()
-    assert (".".join(["spec", *map(str, error["loc"])]) + ".").startswith(f"{field}.{bad}."), error
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+    assert f"spec{loc}.".startswith(f"{first(field)}.{bad}."), error
 
 
 @pytest.mark.parametrize("field", sorted(EXAMPLES))

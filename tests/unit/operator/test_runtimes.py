@@ -150,6 +150,7 @@ def test_a_help_flag_is_refused_rather_than_printed_by_every_replica():
     ({"warmRestart": {"enabled": True}, "slicePolicy": {"checkpoint": {"store": "pvc://cache/x"}}},
      "spec.warmRestart.enabled"),
     ({"image": "tokenfleet/serving:0.1.0"}, "spec.image"),
+    ({"engine": {"kvOffload": {"hostMemory": "1Gi"}}}, "spec.engine.kvOffload"),
     ({"image": "registry.example.com/tokenfleet/serving@sha256:" + "a" * 64}, "spec.image"),
 ])
 def test_fields_vllm_cannot_honour_are_a_condition_naming_the_field(overrides, field):

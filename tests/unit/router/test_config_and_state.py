@@ -308,3 +308,13 @@ def test_generation_rate_sums_fresh_backends_only():
     assert f.generation_tokens_per_second() == pytest.approx(10 + 20)
     clock.t += 10  # both stale: a dead fleet generates nothing
     assert f.generation_tokens_per_second() == 0
+
+
+def test_polled_host_and_disk_tiers_reach_the_policy_view():
+    f, _ = fleet_with(A)
+    f.record_poll("a", EngineSample(), frozenset({"h0"}), 16, (frozenset({"h1"}), frozenset({"h2"})))
+    [view] = f.views(None)
+    assert "h0" in view.cached and set(view.host_cached) == {"h1"} and set(view.disk_cached) == {"h2"}
+    f.record_poll("a", EngineSample(), frozenset({"h0"}), 16)            # a replica without tiers
+    [view] = f.views(None)
+    assert not view.host_cached and not view.disk_cached

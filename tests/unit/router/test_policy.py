@@ -240,3 +240,40 @@ def test_difficulty_tiers_escalate_then_fall_back():
     assert choose_tier(TIERS, 100, 64, set()) is None
     assert choose_tier((Tier("default"),), 10**6, None, {"default"}) == (Tier("default"), False)
     assert fits(LARGE, 10**9, None) and not fits(SMALL, 1, None)
+
+
+# ---- tiers of the prefix cache (KV offload) -----------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["prefix-aware", "kv-aware"])
+def test_an_accelerator_hit_beats_a_host_hit_which_beats_a_disk_hit_and_a_miss(policy):
+    params = PolicyParams(policy=policy)
+    acc = BackendView("acc", cached=set(PREFIX))
+    host = BackendView("host", host_cached=set(PREFIX))
+    disk = BackendView("disk", disk_cached=set(PREFIX))
+    miss = BackendView("miss")
+    for order in itertools.permutations([acc, host, disk, miss]):
+        d = choose(req(), list(order), params)
+        assert d is not None and d.backend == "acc" and d.reason == PREFIX_HIT and d.tier_blocks == (4, 0, 0)
+    for order in itertools.permutations([host, disk, miss]):
+        d = choose(req(), list(order), params)
+        assert d is not None and d.backend == "host" and d.tier_blocks == (0, 4, 0) and d.matched_blocks == 4
+    for order in itertools.permutations([disk, miss]):
+        d = choose(req(), list(order), params)
+        assert d is not None and d.backend == "disk" and d.tier_blocks == (0, 0, 4)
+
+
+def test_a_run_may_continue_from_the_accelerator_into_the_host_tier():
+    split = BackendView("split", cached=set(PREFIX[:1]), host_cached=set(PREFIX[1:]))   # 1 + 0.8 x 3 = 3.4
+    short = BackendView("short", cached=set(PREFIX[:2]))                                # 2
+    d = choose(req(), [short, split], PolicyParams())
+    assert d is not None and d.backend == "split" and d.tier_blocks == (1, 3, 0)
+    # a hole in the run ends it, whichever tier holds what follows
+    holed = BackendView("holed", cached={PREFIX[0]}, host_cached={PREFIX[2], PREFIX[3]})
+    d = choose(req(), [short, holed], PolicyParams())
+    assert d is not None and d.backend == "short"
+
+
+def test_the_load_bound_still_applies_to_a_host_tier_hit():
+    host = BackendView("host", load=20, host_cached=set(PREFIX))
+    idle = BackendView("idle", load=0)
+    d = choose(req(), [host, idle], PolicyParams())
+    assert d is not None and d.backend == "idle" and d.reason == LOAD_BOUND

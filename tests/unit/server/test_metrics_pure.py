@@ -107,3 +107,33 @@ def test_no_cost_sample_while_idle_or_without_a_price():
     for t in range(5):
         unpriced.on_snapshot(_stats(100 * t), float(t))
     assert ("tokenfleet:cost_per_million_tokens_usd", None) not in _scrape(unpriced)
+
+
+def test_kv_offload_metrics_per_tier_and_the_disk_tier_switched_off():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenfleet_serving.engine.kv_offload import TierCounters
+    from tokenfleet_serving.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    tiers = {"accelerator": TierCounters(queries=1000, hits=200),
+             "host": TierCounters(queries=800, hits=600, store_bytes=4096, store_seconds=0.5, load_bytes=2048,
+                                  load_seconds=0.25, blocks=7, capacity_blocks=10),
+             "disk": TierCounters(queries=200, hits=0, enabled=False, errors={"write": 1})}
+    stats = _stats(0, kv_offload=tiers)
+    m.snapshot = lambda: stats
+    text = generate_latest(m.registry).decode()
+    v = {(s.name, s.labels.get("tier"), s.labels.get("direction") or s.labels.get("reason")): s.value
+         for f in text_string_to_metric_families(text) for s in f.samples}
+    assert v[("tokenfleet:kv_offload_prefix_cache_queries_total", "host", None)] == 800
+    assert v[("tokenfleet:kv_offload_prefix_cache_hits_total", "accelerator", None)] == 200
+    assert v[("tokenfleet:kv_offload_bytes_total", "host", "store")] == 4096
+    assert v[("tokenfleet:kv_offload_seconds_total", "host", "load")] == 0.25
+    assert v[("tokenfleet:kv_offload_blocks", "host", None)] == 7
+    assert v[("tokenfleet:kv_offload_tier_enabled", "host", None)] == 1
+    assert v[("tokenfleet:kv_offload_tier_enabled", "disk", None)] == 0
+    assert v[("tokenfleet:kv_offload_errors_total", "disk", "write")] == 1
+    # a replica without tiers exports none of them
+    stats = _stats(0)
+    assert "kv_offload" not in generate_latest(m.registry).decode()

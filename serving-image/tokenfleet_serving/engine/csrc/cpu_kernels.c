@@ -3,10 +3,16 @@
  * Parallel loops use OpenMP; cpu_kernels.py loads this library after torch, so the OpenMP runtime is the
  * one torch already has and the kernels run on torch's threads.
  */
+#define _GNU_SOURCE             /* clock_gettime, nanosleep, sched_yield, open/read for the channel's waits */
+#include <fcntl.h>
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -37,6 +43,43 @@ static inline float exp_nonpositive(float x)
 static inline void prefetch(const float *block, int64_t floats)
 {
     for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(block + f, 0, 3);
+}
+
+/* ---- int8 KV cache (engine/kv_quant.py): one bfloat16 scale per token and KV head ------------------------
+ * x (head_dim floats) is stored as scale = bf16(max|x| / 127) (round to nearest even) and
+ * q = clamp(round_half_even(x / scale), -127, 127), exactly as kv_quant.quantize does it in PyTorch, so both
+ * paths write the same bits; it reads back as q * scale. */
+static inline float bf16_to_float(uint16_t h)
+{
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f)           /* round to nearest even (finite f) */
+{
+    union { float f; uint32_t u; } v = { .f = f };
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static void quantize_row(const float *x, int64_t n, int8_t *q, uint16_t *scale)
+{
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const uint16_t s16 = float_to_bf16(top / 127.0f);
+    float s = bf16_to_float(s16);
+    s = s > 0.0f ? s : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float r = nearbyintf(x[i] / s);
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[i] = (int8_t)r;
+    }
+    *scale = s16;
+}
+
+/* Prefetch the cache lines of `bytes` bytes from p. */
+static inline void prefetch_bytes(const void *p, int64_t bytes)
+{
+    for (int64_t f = 0; f < bytes; f += 64) __builtin_prefetch((const char *)p + f, 0, 3);
 }
 
 /* Paged decode attention: one query token per sequence; keys and values are read in place from the KV
@@ -104,20 +147,81 @@ static inline __attribute__((always_inline)) void decode_item(
     }
 }
 
+/* decode_item over an int8 cache: keys / values int8, ks / vs their scales (one per slot of this kv head); the
+ * score of key t is scale * ks[t] * (q . k_t), the weight of value t is p_t * vs[t]. */
+static inline __attribute__((always_inline)) void decode_item_i8(
+    const float *qs, const int8_t *keys, const int8_t *values, const uint16_t *ks, const uint16_t *vs,
+    const int64_t *table, int64_t n, float *os, float *scores, int64_t max_len, int64_t group, int64_t head_dim,
+    int64_t block_size, float scale)
+{
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const int8_t *key = keys + slot * head_dim;
+        const float kscale = bf16_to_float(ks[slot]) * scale;
+        for (int64_t j = 0; j < group; j++) {
+            const float *qj = qs + j * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < head_dim; d++) dot += qj[d] * (float)key[d];
+            scores[j * max_len + t] = dot * kscale;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * max_len, top = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) top = sj[t] > top ? sj[t] : top;
+#pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < n; t++) { sj[t] = exp_nonpositive(sj[t] - top); sum += sj[t]; }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) sj[t] *= inv;
+    }
+    memset(os, 0, sizeof(float) * group * head_dim);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const int8_t *val = values + slot * head_dim;
+        const float vscale = bf16_to_float(vs[slot]);
+        for (int64_t j = 0; j < group; j++) {
+            const float w = scores[j * max_len + t] * vscale;
+            float *oj = os + j * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) oj[d] += w * (float)val[d];
+        }
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void decode_item_avx2(
     const float *qs, const float *keys, const float *values, const int64_t *table, int64_t n, float *os,
     float *scores, int64_t max_len, int64_t *at, int64_t group, int64_t head_dim, int64_t block_size,
     float scale);
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void decode_item_i8_avx2(
+    const float *qs, const int8_t *keys, const int8_t *values, const uint16_t *ks, const uint16_t *vs,
+    const int64_t *table, int64_t n, float *os, float *scores, int64_t max_len, int64_t *at, int64_t group,
+    int64_t head_dim, int64_t block_size, float scale);
+#endif
 
 /* Returns 0, or -1 when a thread could not allocate its score buffer. */
-int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+static int paged_decode_attention_i8(const float *q, int64_t q_stride, const int8_t *k, const int8_t *v,
+                                     const uint16_t *k_scales, const uint16_t *v_scales, const int64_t *tables,
+                                     int64_t table_width, const int64_t *lens, float *out, int64_t out_stride,
+                                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t num_blocks, int64_t block_size, float scale, int64_t max_len);
+
+/* k_scales / v_scales NULL: k and v are fp32 pool layers; else int8 layers with one bf16 scale per slot
+ * ([num_kv_heads][num_blocks][block_size]). */
+int tf_paged_decode_attention(const float *q, int64_t q_stride, const void *k_any, const void *v_any,
                               const int64_t *tables, int64_t table_width, const int64_t *lens,
                               float *out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                              float scale, int64_t max_len)
+                              float scale, int64_t max_len, const uint16_t *k_scales, const uint16_t *v_scales)
 {
+    if (k_scales)
+        return paged_decode_attention_i8(q, q_stride, k_any, v_any, k_scales, v_scales, tables, table_width, lens,
+                                         out, out_stride, num_seqs, num_heads, num_kv_heads, head_dim, num_blocks,
+                                         block_size, scale, max_len);
+    const float *k = k_any, *v = v_any;
     const int64_t group = num_heads / num_kv_heads, head_stride = num_blocks * block_size * head_dim;
     int failed = 0;
 #pragma omp parallel
@@ -159,6 +263,52 @@ int tf_paged_decode_attention(const float *q, int64_t q_stride, const float *k, 
                     decode_item(qs, keys, values, table, lens[s], os, scores, max_len, group, head_dim, block_size,
                                 scale);
                 }
+            }
+        }
+        free(at);
+    }
+    return failed ? -1 : 0;
+}
+
+static int paged_decode_attention_i8(const float *q, int64_t q_stride, const int8_t *k, const int8_t *v,
+                                     const uint16_t *k_scales, const uint16_t *v_scales, const int64_t *tables,
+                                     int64_t table_width, const int64_t *lens, float *out, int64_t out_stride,
+                                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t num_blocks, int64_t block_size, float scale, int64_t max_len)
+{
+    const int64_t group = num_heads / num_kv_heads, slots = num_blocks * block_size, head_stride = slots * head_dim;
+    int failed = 0;
+#pragma omp parallel
+    {
+        int64_t *at = malloc(sizeof(int64_t) * max_len + sizeof(float) * group * max_len);   /* slots, scores */
+        float *scores = at ? (float *)(at + max_len) : NULL;
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                if (scores == NULL) continue;
+                const float *qs = q + s * q_stride + kh * group * head_dim;
+                const int8_t *keys = k + kh * head_stride, *values = v + kh * head_stride;
+                const uint16_t *ks = k_scales + kh * slots, *vs = v_scales + kh * slots;
+                const int64_t *table = tables + s * table_width;
+                float *os = out + s * out_stride + kh * group * head_dim;
+#if defined(__AVX2__) && defined(__FMA__)
+                if (head_dim == 64) {
+                    decode_item_i8_avx2(qs, keys, values, ks, vs, table, lens[s], os, scores, max_len, at, group, 64,
+                                        block_size, scale);
+                    continue;
+                }
+                if (head_dim % 8 == 0) {
+                    decode_item_i8_avx2(qs, keys, values, ks, vs, table, lens[s], os, scores, max_len, at, group,
+                                        head_dim, block_size, scale);
+                    continue;
+                }
+#endif
+                decode_item_i8(qs, keys, values, ks, vs, table, lens[s], os, scores, max_len, group, head_dim,
+                               block_size, scale);
             }
         }
         free(at);
@@ -385,6 +535,84 @@ static inline __attribute__((always_inline)) void decode_item_avx2(
                 for (int v = 0; v < vecs; v++) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(val + 8 * v), acc[v]);
             }
             for (int v = 0; v < vecs; v++) _mm256_storeu_ps(oj + d0 + 8 * v, _mm256_mul_ps(acc[v], inv));
+        }
+    }
+}
+
+/* 8 int8 at p as 8 floats. */
+static inline __m256 widen8_i8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* decode_item_i8 with AVX2 (head_dim a multiple of 8), laid out as decode_item_avx2: 8 keys' dot products at a
+ * time, each times its key's scale; the weighted values in registers, each weight times its value's scale.
+ * The int8 rows are a quarter of fp32's bytes, so fewer cache lines to fetch per key. `at` receives the n
+ * keys' slots in the kv head's part of the pool layer. */
+static inline __attribute__((always_inline)) void decode_item_i8_avx2(
+    const float *qs, const int8_t *keys, const int8_t *values, const uint16_t *ks, const uint16_t *vs,
+    const int64_t *table, int64_t n, float *os, float *scores, int64_t max_len, int64_t *at, int64_t group,
+    int64_t head_dim, int64_t block_size, float scale)
+{
+    if (n == 0) {
+        memset(os, 0, sizeof(float) * group * head_dim);
+        return;
+    }
+    for (int64_t t = 0, b = 0, off = 0; t < n; t++) {
+        at[t] = table[b] * block_size + off;
+        if (++off == block_size) { off = 0; b++; }
+    }
+    for (int64_t t = 0; t < DECODE_AHEAD && t < n; t++) {
+        prefetch_bytes(keys + at[t] * head_dim, head_dim);
+        prefetch_bytes(values + at[t] * head_dim, head_dim);
+    }
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = qs + j * head_dim;
+        float *sj = scores + j * max_len;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            const int8_t *key[8];
+            float kscale[8];
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) {
+                const int64_t slot = at[t0 + i < n ? t0 + i : t0];
+                key[i] = keys + slot * head_dim;
+                kscale[i] = bf16_to_float(ks[slot]) * scale;
+                acc[i] = _mm256_setzero_ps();
+                if (j == 0 && t0 + i + DECODE_AHEAD < n) {
+                    prefetch_bytes(keys + at[t0 + i + DECODE_AHEAD] * head_dim, head_dim);
+                    prefetch_bytes(values + at[t0 + i + DECODE_AHEAD] * head_dim, head_dim);
+                }
+            }
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qj + d);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, widen8_i8(key[i] + d), acc[i]);
+            }
+            const __m256 dots = _mm256_mul_ps(lane_sums8(acc), _mm256_loadu_ps(kscale));
+            if (t0 + 8 <= n) {
+                _mm256_storeu_ps(sj + t0, dots);
+            } else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, dots);
+                memcpy(sj + t0, lanes, sizeof(float) * (n - t0));
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {                       /* softmax (scores already scaled), values */
+        float *sj = scores + j * max_len, *oj = os + j * head_dim;
+        const float top = row_max(sj, n);
+        const float inv = 1.0f / exp_shifted(sj, n, n, 1.0f, top);
+        for (int64_t t = 0; t < n; t++) sj[t] *= bf16_to_float(vs[at[t]]);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            const int64_t vecs = head_dim - d0 < 64 ? (head_dim - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const int8_t *val = values + at[t] * head_dim + d0;
+                const __m256 w = _mm256_broadcast_ss(sj + t);
+                for (int v = 0; v < vecs; v++) acc[v] = _mm256_fmadd_ps(w, widen8_i8(val + 8 * v), acc[v]);
+            }
+            const __m256 inv8 = _mm256_set1_ps(inv);
+            for (int v = 0; v < vecs; v++) _mm256_storeu_ps(oj + d0 + 8 * v, _mm256_mul_ps(acc[v], inv8));
         }
     }
 }
@@ -713,10 +941,14 @@ static inline int64_t key_offset(const int64_t *table, int64_t i, int64_t block_
  * asks for the same row `ahead` keys on (keys still to pack), one row per row packed: their blocks are
  * scattered over the pool, where the hardware prefetcher stops. Keys go eight at a time through an 8 x 8
  * transpose (head_dim is a multiple of 16). */
-static void pack_kv(const float *k, const float *v, const int64_t *table, int64_t at, int64_t from, int64_t to,
-                    int64_t n, int64_t head_dim, int64_t block_size, int64_t ahead, float *kp, float *vp)
+static void pack_kv(const void *k_any, const void *v_any, const uint16_t *ks, const uint16_t *vs,
+                    const int64_t *table, int64_t at, int64_t from, int64_t to, int64_t n, int64_t head_dim,
+                    int64_t block_size, int64_t ahead, float *kp, float *vp)
 {
     const int64_t width = to - from;
+    const float *k = k_any, *v = v_any;                 /* fp32 pool layers (ks == NULL) */
+    const int8_t *k8 = k_any, *v8 = v_any;              /* int8 ones, with their scales ks, vs */
+    float deq[2][8][head_dim];                          /* int8: eight keys' and values' rows, widened */
     for (int64_t i0 = from; i0 < to; i0 += 8) {
         const float *rows[8];
         for (int64_t i = i0; i < i0 + 8; i++) {
@@ -725,12 +957,28 @@ static void pack_kv(const float *k, const float *v, const int64_t *table, int64_
                 for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memset(vd + d0 * width, 0, 16 * sizeof(float));
                 continue;
             }
-            rows[i - i0] = k + at + key_offset(table, i, block_size, head_dim);
-            const float *vrow = v + (rows[i - i0] - k);
+            const int64_t e = at + key_offset(table, i, block_size, head_dim);
+            const float *vrow;
+            if (ks) {
+                const float kscale = bf16_to_float(ks[e / head_dim]), vscale = bf16_to_float(vs[e / head_dim]);
+                float *kd = deq[0][i - i0], *vd2 = deq[1][i - i0];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) { kd[d] = (float)k8[e + d] * kscale; vd2[d] = (float)v8[e + d] * vscale; }
+                rows[i - i0] = kd;
+                vrow = vd2;
+            } else {
+                rows[i - i0] = k + e;
+                vrow = v + e;
+            }
             if (ahead > 0 && i + ahead < n) {
                 const int64_t later = at + key_offset(table, i + ahead, block_size, head_dim);
-                prefetch(k + later, head_dim);
-                prefetch(v + later, head_dim);
+                if (ks) {
+                    prefetch_bytes(k8 + later, head_dim);
+                    prefetch_bytes(v8 + later, head_dim);
+                } else {
+                    prefetch(k + later, head_dim);
+                    prefetch(v + later, head_dim);
+                }
             }
             for (int64_t d0 = 0; d0 < head_dim; d0 += 16) memcpy(vd + d0 * width, vrow + d0, 16 * sizeof(float));
         }
@@ -749,11 +997,12 @@ static void pack_kv(const float *k, const float *v, const int64_t *table, int64_
 }
 #endif
 
-int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+int tf_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                          const int64_t *tables, int64_t table_width, const int64_t *q_row, const int64_t *n_q,
                          const int64_t *starts, int64_t num_seqs, float *out, int64_t out_stride,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                         int64_t block_size, float scale, float *scratch)
+                         int64_t block_size, float scale, float *scratch, const uint16_t *k_scales,
+                         const uint16_t *v_scales)
 {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t group = num_heads / num_kv_heads, head_stride = num_blocks * block_size * head_dim;
@@ -779,8 +1028,8 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
                 if ((n_q[s] + tokens_per_item - 1) / tokens_per_item == 1) continue;   /* packs in its item */
                 const int64_t n = starts[s] + n_q[s], keys = (n + 15) / 16 * 16;
                 float *kp = scratch + panels_at[s] + 2 * h * keys * head_dim;
-                pack_kv(k, v, tables + s * table_width, h * head_stride, 0, keys, n, head_dim, block_size, block_size,
-                        kp, kp + keys * head_dim);
+                pack_kv(k, v, k_scales, v_scales, tables + s * table_width, h * head_stride, 0, keys, n, head_dim,
+                        block_size, block_size, kp, kp + keys * head_dim);
             }
         /* 2. per (sequence, kv head, block of query tokens): softmax(Q K^T) V */
         const int64_t rows_max = tokens_per_item * group;
@@ -819,7 +1068,8 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
                 const float *kblock = kp + k0 * head_dim, *vblock = vp + k0 * 16;
                 int64_t v_width = all_keys;
                 if (!shared) {
-                    pack_kv(k, v, table, h * head_stride, k0, k0 + kb, n, head_dim, block_size, ATTN_KEYS, own_k, own_v);
+                    pack_kv(k, v, k_scales, v_scales, table, h * head_stride, k0, k0 + kb, n, head_dim, block_size,
+                            ATTN_KEYS, own_k, own_v);
                     kblock = own_k; vblock = own_v; v_width = kb;
                 }
                 for (int64_t p = 0; p < kb / 16; p++)
@@ -861,7 +1111,7 @@ int tf_prefill_attention(const float *q, int64_t q_stride, const float *k, const
 #else
     (void)q; (void)q_stride; (void)k; (void)v; (void)tables; (void)table_width; (void)q_row; (void)n_q;
     (void)starts; (void)num_seqs; (void)out; (void)out_stride; (void)num_heads; (void)num_kv_heads;
-    (void)head_dim; (void)num_blocks; (void)block_size; (void)scale; (void)scratch;
+    (void)head_dim; (void)num_blocks; (void)block_size; (void)scale; (void)scratch; (void)k_scales; (void)v_scales;
     return -1;
 #endif
 }
@@ -932,6 +1182,21 @@ void tf_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
         }
 }
 
+/* The same into an int8 cache (k_cache / v_cache int8, k_scales / v_scales [num_kv_heads][slots_per_head]
+ * bf16), quantized as quantize_row does it. */
+void tf_write_kv_int8(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+                      int64_t rows, int8_t *k_cache, int8_t *v_cache, uint16_t *k_scales, uint16_t *v_scales,
+                      int64_t num_kv_heads, int64_t slots_per_head, int64_t head_dim)
+{
+#pragma omp parallel for if (rows * num_kv_heads * head_dim >= 65536)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t slot = h * slots_per_head + slots[t];
+            quantize_row(k + t * k_stride + h * head_dim, head_dim, k_cache + slot * head_dim, k_scales + slot);
+            quantize_row(v + t * v_stride + h * head_dim, head_dim, v_cache + slot * head_dim, v_scales + slot);
+        }
+}
+
 /* ---- The decoder layers in one call ------------------------------------------------------------------------
  *
  * Runs every decoder layer of one engine step by calling the kernels above in the order model.py's
@@ -951,6 +1216,8 @@ struct tf_layer {                   /* one layer: packed weights (biases may be 
     /* per output channel scales of int8 weights (then qkv, o, gate_up and down point to int8 panels, as
      * tf_gemm_int8 takes them), or NULL for fp32 panels */
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    /* an int8 cache: k_cache / v_cache hold int8 and these their bf16 scales; NULL for an fp32 cache */
+    uint16_t *k_scales, *v_scales;
 };
 
 struct tf_chunks {                  /* prefill chunks, in runs whose packed keys share the scratch */
@@ -986,6 +1253,130 @@ static void add_rows(float *x, const float *delta, int64_t rows, int64_t dim, in
     }
 }
 
+/* ---- Sums across the ranks of one host over shared memory ------------------------------------------------------
+ *
+ * The same protocol as shm_channel.py (which owns the segment and shares the round counter with this code):
+ * a header of one 64-byte line per rank (its published round, its pid), then per parity and rank one slot of
+ * slot_bytes. A round s: write this rank's part into its slot s % 2, publish seq = s, wait until every rank's
+ * seq >= s, read. The sum adds the slots in rank order, as shm_channel.py does, so every rank (and the
+ * Python loop) holds the same bits.
+ *
+ * A wait spins (the ranks of a step arrive within microseconds of each other), then yields, then naps; every
+ * 5 ms it checks that the ranks it waits for are live processes and that timeout_s has not passed. On
+ * failure it returns -3 (a rank exited) or -4 (a rank is late), with that rank in failed_rank. */
+struct tf_comm {
+    int64_t rank, size, slot_bytes;
+    int64_t *header;                /* size lines of 8 int64: [0] the published round, [1] the pid */
+    char *slots;                    /* [2][size][slot_bytes] */
+    int64_t *round;                 /* this rank's last round (process memory, shared with shm_channel.py) */
+    const int64_t *pids;            /* every rank's pid, as this rank recorded them once all had attached */
+    double timeout_s;
+    double seconds;                 /* out: time spent in sums, waits included (added up) */
+    int64_t failed_rank;            /* out: the rank a failed wait was for */
+};
+
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int pid_alive(int64_t pid)     /* a process that exists and is not a zombie */
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    const int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    const ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')');        /* the name may hold spaces and parentheses; the state follows */
+    if (!end || end[1] != ' ') return 0;
+    return end[2] != 'Z' && end[2] != 'X';
+}
+
+static inline int64_t seq_of(const struct tf_comm *c, int64_t r)
+{
+    return __atomic_load_n(c->header + r * 8, __ATOMIC_ACQUIRE);
+}
+
+/* Publish the next round and wait for every rank to publish it; returns 0 or -3 / -4. */
+static int comm_round(struct tf_comm *c)
+{
+    const int64_t s = ++*c->round;
+    __atomic_store_n(c->header + c->rank * 8, s, __ATOMIC_RELEASE);
+    double started = 0, next_check = 0;
+    for (int64_t spins = 0;; spins++) {
+        int64_t late = -1;
+        for (int64_t r = 0; r < c->size && late < 0; r++)
+            if (seq_of(c, r) < s) late = r;
+        if (late < 0) return 0;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        if (spins < 4096) continue;
+        const double now = now_seconds();
+        if (!started) started = now, next_check = now + 0.005;
+        const double waited = now - started;
+        if (waited < 0.02) {
+            sched_yield();
+        } else {
+            const struct timespec nap = {0, waited < 1 ? 200000 : 2000000};
+            nanosleep(&nap, NULL);
+        }
+        if (now >= next_check) {
+            next_check = now + 0.005;
+            for (int64_t r = 0; r < c->size; r++)
+                if (seq_of(c, r) < s && !pid_alive(c->pids[r])) {
+                    c->failed_rank = r;
+                    return -3;
+                }
+            if (waited > c->timeout_s) {
+                c->failed_rank = late;
+                return -4;
+            }
+        }
+    }
+}
+
+/* Where this rank's part of a sum of n floats can be written for the next round: its slot, when the part fits
+ * (then tf_comm_sum skips a copy), else `fallback`. */
+static float *comm_target(const struct tf_comm *c, int64_t n, float *fallback)
+{
+    if (!c || n * (int64_t)sizeof(float) > c->slot_bytes) return fallback;
+    return (float *)(c->slots + ((*c->round + 1) % 2 * c->size + c->rank) * c->slot_bytes);
+}
+
+/* out[0..n) = the sum over the ranks of each one's x[0..n) (x may be this rank's slot, from comm_target; out
+ * may be x). Returns 0 or the failed wait's code. */
+int tf_comm_sum(struct tf_comm *c, const float *x, float *out, int64_t n)
+{
+    const double started = now_seconds();
+    const int64_t step = c->slot_bytes / (int64_t)sizeof(float);
+    int rc = 0;
+    for (int64_t at = 0; at < n && !rc; at += step) {
+        const int64_t m = n - at < step ? n - at : step;
+        const int64_t parity = (*c->round + 1) % 2;
+        float *mine = (float *)(c->slots + (parity * c->size + c->rank) * c->slot_bytes);
+        if (x + at != mine) memcpy(mine, x + at, sizeof(float) * m);
+        if ((rc = comm_round(c))) break;
+        const float *a = (const float *)(c->slots + parity * c->size * c->slot_bytes);
+        const float *b = (const float *)((const char *)a + c->slot_bytes);
+        float *o = out + at;
+#pragma omp parallel for if (m >= 262144)
+        for (int64_t i = 0; i < m; i++) o[i] = a[i] + b[i];
+        for (int64_t r = 2; r < c->size; r++) {
+            const float *q = (const float *)((const char *)a + r * c->slot_bytes);
+#pragma omp parallel for if (m >= 262144)
+            for (int64_t i = 0; i < m; i++) o[i] += q[i];
+        }
+    }
+    c->seconds += now_seconds() - started;
+    return rc;
+}
+
 static int gemm_bias(const float *x, int64_t m, int64_t k, const float *panels, const float *scale,
                      const float *bias, int64_t n, float *y, float *scratch)
 {
@@ -1002,22 +1393,36 @@ static int attend(const struct tf_shape *d, const struct tf_layer *L, const stru
     if (s->decodes && tf_paged_decode_attention(b->qkv, width, L->k_cache, L->v_cache, s->decode_tables,
                                                 s->decode_width, s->decode_lens, b->attn, out_width, s->decodes,
                                                 d->heads, d->kv_heads, hd, d->num_blocks, d->block_size, d->scale,
-                                                s->decode_max_len))
+                                                s->decode_max_len, L->k_scales, L->v_scales))
         return -2;
     for (int64_t r = 0, first = 0; r < c->runs; first = c->run_ends[r++]) {
         const int rc = tf_prefill_attention(b->qkv, width, L->k_cache, L->v_cache,
                                             c->tables + first * c->table_width, c->table_width, c->q_rows + first,
                                             c->n_q + first, c->starts + first, c->run_ends[r] - first, b->attn,
                                             out_width, d->heads, d->kv_heads, hd, d->num_blocks, d->block_size,
-                                            d->scale, b->attn_scratch);
+                                            d->scale, b->attn_scratch, L->k_scales, L->v_scales);
         if (rc) return rc;
     }
     return 0;
 }
 
-/* Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory. */
+/* A row-parallel matmul's output: y = x W^T, summed over the ranks when `comm` is given (tensor parallelism:
+ * each rank holds some input columns of W), then + bias (once), into out. With one rank it is gemm_bias. */
+static int gemm_sum_bias(struct tf_comm *comm, const float *x, int64_t m, int64_t k, const float *panels,
+                         const float *scale, const float *bias, int64_t n, float *out, float *scratch)
+{
+    if (!comm) return gemm_bias(x, m, k, panels, scale, bias, n, out, scratch);
+    float *y = comm_target(comm, m * n, out);     /* straight into this rank's slot when it fits */
+    int rc = gemm_bias(x, m, k, panels, scale, NULL, n, y, scratch);
+    if (!rc) rc = tf_comm_sum(comm, y, out, m * n);
+    if (!rc && bias) add_rows(out, bias, m, n, 0);
+    return rc;
+}
+
+/* Returns 0, -1 when built without AVX2 + FMA, -2 when out of memory, -3 / -4 when a sum across the ranks
+ * failed (`comm`: this rank's channel under tensor parallelism, else NULL; see tf_comm_sum). */
 int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, int64_t num_layers,
-                      const struct tf_step *s, float *x, const struct tf_buffers *b)
+                      const struct tf_step *s, float *x, const struct tf_buffers *b, struct tf_comm *comm)
 {
     const int64_t D = d->hidden, hd = d->head_dim, I = d->inter, qn = d->heads * hd, kvn = d->kv_heads * hd;
     const int64_t width = qn + 2 * kvn;
@@ -1030,8 +1435,12 @@ int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, i
         tf_rms_norm(x, D, NULL, 0, L->ln1, b->h, D, rows, D, d->eps);
         if ((rc = gemm_bias(b->h, rows, D, L->qkv, L->qkv_scale, L->qkv_bias, width, b->qkv, b->gemm))) return rc;
         tf_rope(b->qkv, rows, width, d->heads + d->kv_heads, hd, d->cos, d->sin, s->positions);
-        tf_write_kv(b->qkv + qn, width, b->qkv + qn + kvn, width, s->slots, rows, L->k_cache, L->v_cache,
-                    d->kv_heads, d->num_blocks * d->block_size, hd);
+        if (L->k_scales)
+            tf_write_kv_int8(b->qkv + qn, width, b->qkv + qn + kvn, width, s->slots, rows, (int8_t *)L->k_cache,
+                             (int8_t *)L->v_cache, L->k_scales, L->v_scales, d->kv_heads, d->num_blocks * d->block_size, hd);
+        else
+            tf_write_kv(b->qkv + qn, width, b->qkv + qn + kvn, width, s->slots, rows, L->k_cache, L->v_cache,
+                        d->kv_heads, d->num_blocks * d->block_size, hd);
         if ((rc = attend(d, L, s, trim ? &s->sampled : &s->prefill, b))) return rc;
         if (trim) {                                   /* keep_rows[i] >= i: moving rows forward in order is safe */
             for (int64_t i = 0; i < s->keep; i++) {
@@ -1043,12 +1452,16 @@ int tf_decoder_layers(const struct tf_shape *d, const struct tf_layer *layers, i
         for (int64_t r0 = 0; r0 < rows; r0 += d->piece) {   /* row pieces bound the MLP's wide intermediates */
             const int64_t p = rows - r0 < d->piece ? rows - r0 : d->piece;
             float *xr = x + r0 * D;
-            if ((rc = gemm_bias(b->attn + r0 * qn, p, qn, L->o, L->o_scale, L->o_bias, D, b->delta, b->gemm))) return rc;
+            if ((rc = gemm_sum_bias(comm, b->attn + r0 * qn, p, qn, L->o, L->o_scale, L->o_bias, D, b->delta,
+                                  b->gemm)))
+                return rc;
             tf_rms_norm(xr, D, b->delta, D, L->ln2, b->h, D, p, D, d->eps);     /* x += o(attn) first */
             if ((rc = gemm_bias(b->h, p, D, L->gate_up, L->gate_up_scale, L->gate_up_bias, 2 * I, b->gate_up, b->gemm)))
                 return rc;
             tf_silu_mul(b->gate_up, p, I, b->act);
-            if ((rc = gemm_bias(b->act, p, I, L->down, L->down_scale, L->down_bias, D, b->delta, b->gemm))) return rc;
+            if ((rc = gemm_sum_bias(comm, b->act, p, I, L->down, L->down_scale, L->down_bias, D, b->delta,
+                                  b->gemm)))
+                return rc;
             add_rows(xr, b->delta, p, D, D);
         }
     }
