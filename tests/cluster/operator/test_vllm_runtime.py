@@ -82,7 +82,9 @@ def test_a_vllm_service_serves_scales_and_keeps_streams_across_a_killed_replica(
     import openai
 
     install(cluster)
-    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",)).start()
+    # the router runs from the operator's --router-image, whatever the replicas run: the bundled serving image
+    op = Operator(cluster, namespace, tmp_path / "operator.log", extra=("--collect-seconds=2",),
+                  router_image="tokenfleet/serving:0.1.0").start()
     stop = threading.Event()
     results: list[tuple[int, bool, str]] = []     # (status, complete, error) of every background request
     try:
