@@ -314,8 +314,9 @@ def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_
 
         # a model whose config reads but whose weights are missing: the server exits 1 and says why; the Slice
         # and the service carry it
-        broken = tmp_path / "weightless-model"
-        broken.mkdir()
+        # (beside pod_model, not under /tmp: a serving pod's /tmp is its own emptyDir)
+        broken = Path(pod_model).with_name(Path(pod_model).name + "-weightless")
+        broken.mkdir(exist_ok=True)
         shutil.copy(Path(pod_model) / "config.json", broken / "config.json")
         weightless = serving_isvc("weightless", broken)
         weightless["spec"]["slicePolicy"]["restartPolicy"] = {"maxRestarts": 0, "backoffSeconds": 1}
@@ -353,3 +354,4 @@ def test_bad_arguments_are_refused_and_a_crash_says_why(cluster, namespace, tmp_
         assert names(cluster, "pods", namespace, "tokenfleet.dev/slice=draft-0") == []
     finally:
         op.stop()
+        shutil.rmtree(Path(pod_model).with_name(Path(pod_model).name + "-weightless"), ignore_errors=True)
