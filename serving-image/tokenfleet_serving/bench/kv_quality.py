@@ -23,12 +23,10 @@ import random
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ..engine import LLMEngine, SamplingParams
 from . import copy_task
 from .engine import REFERENCE, hardware
-from .levers import greedy_agreement, sequence_logits
+from .levers import divergence, greedy_agreement
 
 SEQ_LEN = 2048
 BUDGET_BYTES = 1 << 30          # capacity is compared at this budget (per rank)
@@ -44,20 +42,9 @@ def kv_quality(model_dir: Path, vocab: int, sequences: int = 64, dtype: str = "f
     """int8 KV against the model-dtype KV on one model: mean/max KL and max |logit difference| over
     ``sequences`` x 64 positions, and teacher-forced greedy agreement over 8 x 128 tokens."""
     ref, q8 = _engine(model_dir, dtype=dtype), _engine(model_dir, dtype=dtype, kv_cache_dtype="int8")
-    rng = random.Random(7)
-    prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(sequences + 8)]
-    outs = ref.generate(prompts[:sequences], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    kls, max_diff = [], 0.0
-    for prompt, out in zip(prompts[:sequences], outs):
-        seq = prompt + out.new_token_ids
-        a, b = sequence_logits(ref, seq)[-64:], sequence_logits(q8, seq)[-64:]
-        lp, lq = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-        kls.append((lp.exp() * (lp - lq)).sum(-1))
-        max_diff = max(max_diff, float((a - b).abs().max()))
-    kl = torch.cat(kls)
-    g = greedy_agreement(ref, q8, prompts[sequences:], 128, max_diff)
-    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "max_abs_logit_diff": max_diff,
-            "kl_positions": int(kl.numel()), "greedy_agreement": g["agreement"], "greedy_tokens": g["tokens"],
+    d = divergence(ref, q8, vocab, sequences)
+    g = d.pop("greedy")
+    return {**d, "greedy_agreement": g["agreement"], "greedy_tokens": g["tokens"],
             "greedy_disagreements_at_near_ties": g["disagreements_at_near_ties"],
             "greedy_agreement_outside_near_ties": g["agreement_outside_near_ties"],
             "free_running_identical_fraction": g["free_running_identical_fraction"]}

@@ -273,26 +273,36 @@ def greedy_agreement(ref: LLMEngine, q8: LLMEngine, prompts: list[list[int]], to
             "free_running_identical_fraction": identical / total}
 
 
-def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
-    """The int8 engine against the unquantized one (both fp32): KL(p || p_int8) and max |logit difference| of
-    the next-token distribution over ``sequences`` x 64 positions (4,096 by default: 64 sequences of 64 prompt
-    + 64 greedy tokens), and greedy agreement over 1,024 tokens (8 x 128, ``greedy_agreement``); a near tie
-    is a position whose reference top two logits are closer than the largest logit difference seen."""
-    ref, q8 = fp32_and_int8(model_dir)
+def divergence(ref: LLMEngine, other: LLMEngine, vocab: int, sequences: int = 64) -> dict:
+    """``other`` against ``ref`` on the same seeded prompts: KL(p_ref || p_other) and max |logit difference| of
+    the next-token distribution over ``sequences`` x 64 positions (64 prompt tokens, then 64 of ``ref``'s greedy
+    tokens, teacher-forced into both), and ``greedy_agreement`` over 8 x 128 tokens with the largest logit
+    difference seen as its near-tie margin (under ``greedy``)."""
     rng = random.Random(7)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(sequences + 8)]
     ref_out = ref.generate(prompts[:sequences], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     kls, max_diff = [], 0.0
     for prompt, out in zip(prompts[:sequences], ref_out):
         seq = prompt + out.new_token_ids
-        a, b = sequence_logits(ref, seq)[-64:], sequence_logits(q8, seq)[-64:]
+        a, b = sequence_logits(ref, seq)[-64:], sequence_logits(other, seq)[-64:]
         lp, lq = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
         kls.append((lp.exp() * (lp - lq)).sum(-1))
         max_diff = max(max_diff, float((a - b).abs().max()))
     kl = torch.cat(kls)
-    g = greedy_agreement(ref, q8, prompts[sequences:], 128, max_diff)
-    return {"int8_mean_kl": float(kl.mean()), "int8_max_kl": float(kl.max()), "int8_max_abs_logit_diff": max_diff,
-            "int8_kl_positions": int(kl.numel()), "int8_greedy_agreement": g["agreement"],
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "max_abs_logit_diff": max_diff,
+            "kl_positions": int(kl.numel()), "greedy": greedy_agreement(ref, other, prompts[sequences:], 128, max_diff)}
+
+
+def int8_quality(model_dir: Path, vocab: int, sequences: int = 64) -> dict:
+    """The int8 engine against the unquantized one (both fp32): KL(p || p_int8) and max |logit difference| of
+    the next-token distribution over ``sequences`` x 64 positions (4,096 by default: 64 sequences of 64 prompt
+    + 64 greedy tokens), and greedy agreement over 1,024 tokens (8 x 128, ``greedy_agreement``); a near tie
+    is a position whose reference top two logits are closer than the largest logit difference seen."""
+    ref, q8 = fp32_and_int8(model_dir)
+    d = divergence(ref, q8, vocab, sequences)
+    g = d["greedy"]
+    return {"int8_mean_kl": d["mean_kl"], "int8_max_kl": d["max_kl"], "int8_max_abs_logit_diff": d["max_abs_logit_diff"],
+            "int8_kl_positions": d["kl_positions"], "int8_greedy_agreement": g["agreement"],
             "int8_greedy_tokens": g["tokens"], "int8_greedy_disagreements": g["disagreements"],
             "int8_greedy_disagreements_at_near_ties": g["disagreements_at_near_ties"],
             "int8_greedy_agreement_outside_near_ties": g["agreement_outside_near_ties"],
