@@ -75,6 +75,12 @@ timed bases base_image "$BASE" "$PACKAGES"
 
 # --------------------------------------------------------------- images
 quiet() { sed -u -E '/^(Copying (blob|config)|Writing manifest|Storing signatures)/d'; }
+retried() {  # retried CMD...: run CMD; once more if it fails (a download or a layer commit that broke
+  # midway; the layers already committed are cached, so the second try redoes only the broken step)
+  "$@" && return 0
+  step "failed; trying once more"
+  "$@"
+}
 build() {  # build NAME DOCKERFILE STAGE... : every stage tagged, the last one is the image
   local name=$1 dockerfile=$2; shift 2
   local args=(--layers --pull=never --network=host --format=oci -f "$dockerfile"
@@ -88,7 +94,7 @@ build() {  # build NAME DOCKERFILE STAGE... : every stage tagged, the last one i
   [ "$name" = serving ] && tag=$VARIANT
   for stage in "$@"; do
     step "tokenfleet/$name: stage $stage"
-    "${P[@]}" build "${args[@]}" --target "$stage" -t "localhost/tokenfleet-cache/$name-$stage:$tag" . | quiet
+    retried "${P[@]}" build "${args[@]}" --target "$stage" -t "localhost/tokenfleet-cache/$name-$stage:$tag" . | quiet
   done
   step "tokenfleet/$name: image"
   "${P[@]}" build "${args[@]}" -t "localhost/tokenfleet/$name:$VERSION" . | quiet
