@@ -10,7 +10,9 @@ continuation the router sends after a migration), one fault:
   (``{"error": {..., "code": 503}}`` and ``[DONE]``);
 - ``hold``: relay ``after`` events, then relay nothing more until the backend's connection breaks (the test
   kills the backend process), then close the connection to the router;
-- ``refuse``: answer the request with ``status`` and an OpenAI error body instead of passing it on.
+- ``refuse``: answer the request with ``status`` and an OpenAI error body instead of passing it on;
+- ``linger``: relay the whole stream, ``[DONE]`` included, then leave the response open instead of ending it
+  (a backend slow to close its response), until the router hangs up or 60 s pass.
 
 A continuation is a request with ``continuation`` (the bundled engine) or a token-id ``prompt`` (vLLM).
 
@@ -31,7 +33,7 @@ HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"
 
 @dataclass
 class Fault:
-    kind: str                   # cut | error | hold | refuse
+    kind: str                   # cut | error | hold | refuse | linger
     after: int = 0              # events relayed first
     on: str = "fresh"           # fresh | continuation
     status: int = 400           # refuse
@@ -124,7 +126,7 @@ class FaultProxy:
         sent, buffer = 0, b""
         try:
             async for chunk in upstream.content.iter_any():
-                if fault is None:
+                if fault is None or fault.kind == "linger":
                     await response.write(chunk)
                     continue
                 buffer += chunk
@@ -139,6 +141,11 @@ class FaultProxy:
             return response
         finally:
             upstream.close()
+        if fault is not None and fault.kind == "linger":
+            try:
+                await asyncio.wait_for(self._stop.wait(), 60)
+            except TimeoutError:
+                pass
         await response.write_eof()
         return response
 

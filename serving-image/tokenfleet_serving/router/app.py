@@ -623,18 +623,22 @@ class Router:
         if not sse:
             return await self._relay_body(response, upstream, backend, timing)
         state = stream or StreamState(client_wants_token_ids=True)
-        broken = await self._pump(response, upstream, backend, timing, client_wants_usage, state)
-        if broken is not None:
-            if stream is None or ctx is None:
-                state.errored = state.done = True
-                await response.write(error_event(502, f"the backend {backend} failed mid-stream") + DONE_EVENT)
-            else:
-                if backend in self.fleet.backends:
-                    ctx.fail(self.fleet.backends[backend])
-                await self._migrate(response, ctx, state, timing, client_wants_usage, backend, broken)
-        timing.finished = self.fleet.clock()
-        timing.ok = upstream.status == 200 and state.done and not state.errored
-        timing.client_error = is_client_error(upstream.status)
+        try:
+            broken = await self._pump(response, upstream, backend, timing, client_wants_usage, state)
+            if broken is not None:
+                if stream is None or ctx is None:
+                    state.errored = state.done = True
+                    await response.write(error_event(502, f"the backend {backend} failed mid-stream") + DONE_EVENT)
+                else:
+                    if backend in self.fleet.backends:
+                        ctx.fail(self.fleet.backends[backend])
+                    await self._migrate(response, ctx, state, timing, client_wants_usage, backend, broken)
+        finally:
+            # Also when the handler is cancelled: a client that hangs up once it has [DONE] (the openai client
+            # does) cancels it while the backend has yet to end its response, and that request was served.
+            timing.finished = self.fleet.clock()
+            timing.ok = upstream.status == 200 and state.done and not state.errored
+            timing.client_error = is_client_error(upstream.status)
         await response.write_eof()
         return response
 

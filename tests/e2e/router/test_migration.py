@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from http.client import HTTPConnection
 
 import pytest
 
@@ -266,6 +267,39 @@ def test_a_stream_of_several_choices_passes_through_and_fails_cleanly_when_broke
     *_, error, done = events
     assert done == "[DONE]" and error["error"]["code"] == 502
     assert "several choices (n > 1)" in error["error"]["message"]
+
+
+def test_a_client_that_hangs_up_once_it_has_done_got_a_served_request(fleet):
+    """The official openai client closes its connection as soon as it has read ``[DONE]``. When the backend has
+    not yet ended its response by then (the proxy lingers), the router's handler is cancelled: the request was
+    served whole all the same, so it counts as met, never as an SLO miss."""
+    router = fleet["routers"]["main"]
+    plan_everywhere(fleet, "linger")
+    before = counters(router)
+    conn = HTTPConnection("127.0.0.1", int(router.base_url.rsplit(":", 1)[1]), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body("completion")),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        lines = []
+        while not lines or lines[-1] != b"data: [DONE]":
+            line = response.readline()
+            assert line, "the stream ended before [DONE]"
+            if line.strip():
+                lines.append(line.strip())
+    finally:
+        conn.close()            # hang up with the backend's response still open
+    assert sum(f.kind == "linger" for p in fleet["proxies"].values() for f in p.applied) == 1
+
+    def observed() -> bool:
+        now = counters(router)
+        return sum(delta(before, now, f"tokenfleet_router_slo_requests_total{{result={r}}}")
+                   for r in ("met", "missed")) == 1
+    wait_until(observed, 30, what="the request observed by the router")
+    after = counters(router)
+    assert delta(before, after, "tokenfleet_router_slo_requests_total{result=missed}") == 0
+    assert delta(before, after, "tokenfleet_router_slo_requests_total{result=met}") == 1
 
 
 def test_a_backend_killed_in_the_middle_of_a_stream(fleet):
