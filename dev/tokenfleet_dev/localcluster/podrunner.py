@@ -47,6 +47,8 @@ log = logging.getLogger("pod-runner")
 # A pod that names another pod by its DNS name waits this long for the name to resolve before it starts
 # anyway (and fails to resolve it, as it would against cluster DNS).
 RESOLVE_WAIT_SECONDS = 60.0
+# How often the runner compares the Ready condition the API holds for its pods with what it reported.
+STATUS_CHECK_SECONDS = 2.0
 
 
 def now() -> str:
@@ -134,6 +136,8 @@ class LocalPod:
     terminating: bool = False
     reported: tuple | None = None
     tokens: dict = field(default_factory=dict)
+    node: str = ""
+    api_ready: bool | None = None     # the pod's Ready condition as the API last showed it
 
 
 class PodRunner:
@@ -151,6 +155,7 @@ class PodRunner:
         self._next_volume_refresh = 0.0
         self._fake_node: dict[str, bool] = {}
         self._unresolved: dict[str, tuple[object, float]] = {}   # uid -> (pod, when it first waited for a name)
+        self._next_status_check = 0.0
         # What the kubelet gives every container to find the API server.
         url = urllib.parse.urlsplit(api.api_client.configuration.host)
         self.service_env = {"KUBERNETES_SERVICE_HOST": url.hostname, "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
@@ -207,6 +212,8 @@ class PodRunner:
             return
         uid = pod.metadata.uid
         local = self.pods.get(uid)
+        if local is not None:
+            local.api_ready = _ready_condition(self.api.api_client.sanitize_for_serialization(pod))
         if pod.metadata.deletion_timestamp is not None:
             self._unresolved.pop(uid, None)
             if local and not local.terminating:
@@ -375,7 +382,7 @@ class PodRunner:
         scratch.mkdir(parents=True, exist_ok=True)
         local = LocalPod(pod.metadata.uid, pod.metadata.namespace, pod.metadata.name, ip, host_ip,
                          pod.spec.restart_policy or "Always",
-                         service_account=pod.spec.service_account_name or "default")
+                         service_account=pod.spec.service_account_name or "default", node=node)
         self.pods[local.uid] = local
         try:
             launches = container_launches(raw, ip, host_ip, {**os.environ, **self.service_env}, str(scratch),
@@ -450,6 +457,9 @@ class PodRunner:
         t = time.monotonic()
         if self._unresolved:
             self.retry_unresolved()
+        if t >= self._next_status_check:
+            self._next_status_check = t + STATUS_CHECK_SECONDS
+            self.reconcile_status()
         if t >= self._next_volume_refresh:
             self._next_volume_refresh = t + 2.0
             for local in list(self.pods.values()):
@@ -488,6 +498,28 @@ class PodRunner:
                         r.next_probe = t + (probe.period if r.ready else min(probe.period, 0.5))
             self.report(local)
 
+    def reconcile_status(self) -> None:
+        """Write a pod's status again where the API's Ready condition is not what the runner reported, as a
+        kubelet's status manager does. The node lifecycle controller marks every pod of a node not ready when
+        the node's lease lapses (a loaded host can renew KWOK's leases late); once the node is Ready again,
+        nothing else would say that the pods are. While the node is not Ready, the controller's word stands."""
+        node_ready: dict[str, bool] = {}
+        for local in list(self.pods.values()):
+            if local.terminating or local.reported is None or local.api_ready is None:
+                continue
+            if local.api_ready == local.reported[1]:
+                continue
+            if local.node not in node_ready:
+                try:
+                    node_ready[local.node] = _ready_condition(
+                        self.api.api_client.sanitize_for_serialization(self.api.read_node(local.node))) is True
+                except ApiException:
+                    node_ready[local.node] = False
+            if node_ready[local.node]:
+                log.info("%s/%s: the API shows Ready=%s, the runner reported %s: writing its status again",
+                         local.namespace, local.name, local.api_ready, local.reported[1])
+                self.report(local, force=True)
+
     def _container_status(self, r: Running) -> dict:
         if r.exit_code is None:
             state = {"running": {"startedAt": r.started}}
@@ -523,6 +555,7 @@ class PodRunner:
             "containerStatuses": [self._container_status(r) for r in local.containers],
         })
         local.reported = key
+        local.api_ready = ready
 
     def _patch(self, local: LocalPod, status: dict) -> None:
         try:
@@ -593,6 +626,14 @@ class PodRunner:
         self.stop_all()
         if self.cpu is not None:
             self.cpu.close()
+
+
+def _ready_condition(obj: dict) -> bool | None:
+    """The Ready condition of a pod or a node, as the API serialises it; None when it has none."""
+    for c in (obj.get("status") or {}).get("conditions") or ():
+        if c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from tokenfleet_dev.localcluster.nodes import NodePool
+from tokenfleet_dev.localcluster.podrunner import STATUS_CHECK_SECONDS
 
 from harness.support import wait_until
 
@@ -241,6 +242,41 @@ def test_lease_loss_makes_a_node_unknown_and_unreachable_then_it_recovers(cluste
     finally:
         cluster.fail_node(node, "delete")
     wait_for(lambda: get_json(cluster, "node", node) is None, 30, what="node deletion")
+
+
+def pod_ready_status(cluster, namespace, name):
+    s = (get_json(cluster, "pod", name, "-n", namespace) or {}).get("status", {})
+    return next((c["status"] for c in s.get("conditions", []) if c["type"] == "Ready"), None)
+
+
+def test_a_pod_marked_not_ready_with_its_node_is_ready_again_once_the_node_is(cluster, namespace):
+    """The node lifecycle controller marks a node's pods not ready when its lease lapses; the pod runner, like
+    a kubelet, must say they are ready again once the node is (a loaded host lapses KWOK's leases now and then,
+    and without this every replica on the node stayed unready for good)."""
+    (node,) = cluster.add_nodes([NodePool(count=1, prefix=f"flap{uuid.uuid4().hex[:5]}", per_node=1)])
+    tolerate = [{"key": k, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 600}
+                for k in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "steady"},
+           "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": tolerate,
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "c", "image": "tokenfleet/serving:test",
+                                    "command": ["python3", "-c", "import time; time.sleep(600)"]}]}}
+    try:
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pod))
+        wait_for(lambda: pod_ready_status(cluster, namespace, "steady") == "True", 60, what="steady Ready")
+        cluster.fail_node(node, "lease-loss")
+        wait_for(lambda: node_ready_status(cluster, node) == "Unknown", 60, what="Ready=Unknown")
+        wait_for(lambda: pod_ready_status(cluster, namespace, "steady") == "False", 60,
+                 what="the pod marked not ready by the node lifecycle controller")
+        time.sleep(2 * STATUS_CHECK_SECONDS + 1)     # while the node is not Ready, the controller's word stands
+        assert pod_ready_status(cluster, namespace, "steady") == "False"
+        cluster.recover_node(node)
+        wait_for(lambda: node_ready_status(cluster, node) == "True", 60, what="node recovery")
+        wait_for(lambda: pod_ready_status(cluster, namespace, "steady") == "True", 30,
+                 what="the pod Ready again once its node is")
+    finally:
+        cluster.kubectl("delete", "pod", "steady", "-n", namespace, "--wait=false", check=False)
+        cluster.fail_node(node, "delete")
 
 
 def test_pod_security_admission_is_enforced(cluster, namespace):
