@@ -250,7 +250,14 @@ WILDCARDS = ("0.0.0.0", "::", "[::]")
 def bind_to_pod_ip(value: str, pod_ip: str) -> str:
     """Every local pod shares the host's network, so a wildcard bind address
     (``0.0.0.0``, ``--host=0.0.0.0``, ``0.0.0.0:8000``) becomes the pod's own
-    loopback IP: the stand-in for the pod's network namespace."""
+    loopback IP: the stand-in for the pod's network namespace.
+
+    So does a ZeroMQ wildcard endpoint anywhere in the value (``tcp://*:5557``, as in vLLM's
+    ``--kv-events-config`` JSON), written as the IPv4-mapped IPv6 address ``tcp://[::ffff:IP]:5557``: ZeroMQ binds
+    that to the IPv4 address, and vLLM, which binds only endpoints that hold ``*`` or ``::`` (and connects to any
+    other), still binds it."""
+    if "tcp://*:" in value and "." in pod_ip:
+        value = value.replace("tcp://*:", f"tcp://[::ffff:{pod_ip}]:")
     head, sep, tail = value.rpartition("=")
     target = tail if sep else value
     for w in WILDCARDS:

@@ -336,6 +336,14 @@ class RoutingSpec(ApiModel):
         "before the load bound applies, so that at low load a cache hit is not given up for an imbalance of one "
         "or two requests.", ge=0, le=10000,
     )
+    prefix_source: Literal["routed", "kvEvents"] | None = Field(
+        default=None, description="vLLM replicas only: how the router learns which prompt blocks a replica holds, "
+        "for prefix-aware and kv-aware routing. routed: its own record of the prompt blocks it sent each replica, "
+        "as large as the replica's KV cache (vllm:cache_config_info), which misses what the replica evicted "
+        "early; kvEvents: the replica's own KV-cache events (vLLM's --kv-events-config, published over ZeroMQ "
+        "on port 5557 and followed by the router). Unset: routed. The bundled engine reports its blocks itself "
+        "(/cache/blocks), so setting this with runtime tokenfleet is refused.",
+    )
     replicas: int = Field(default=1, description="Router pods.", ge=1, le=16)
     resources: ResourceRequirements | None = Field(default=None, description="Resources of each router pod.")
     migration_limit: int = Field(

@@ -100,11 +100,13 @@ def replicas_network_policy_name(service: str) -> str:
     return f"{service}-replicas"
 
 
-def replicas_network_policy(owner: dict[str, Any], wiring: Wiring) -> dict[str, Any]:
-    """Only the service's router (and the operator, for /metrics) reach its serving pods."""
+def replicas_network_policy(owner: dict[str, Any], wiring: Wiring, kv_events_port: int | None = None) -> dict[str, Any]:
+    """Only the service's router (and the operator, for /metrics) reach its serving pods; the router also their
+    KV-event publisher, when they have one."""
     name = owner["metadata"]["name"]
     serving = {SERVICE_LABEL: name, ROLE_LABEL: "serve"}
     port = [{"protocol": "TCP", "port": SERVING_PORT}]
+    router_ports = port + ([{"protocol": "TCP", "port": kv_events_port}] if kv_events_port is not None else [])
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -114,7 +116,8 @@ def replicas_network_policy(owner: dict[str, Any], wiring: Wiring) -> dict[str, 
             "podSelector": {"matchLabels": serving},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: "router"}}}], "ports": port},
+                {"from": [{"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: "router"}}}],
+                 "ports": router_ports},
                 {"from": [{"namespaceSelector": {"matchLabels": {
                     "kubernetes.io/metadata.name": wiring.operator_namespace}},
                     "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}], "ports": port},

@@ -8,6 +8,7 @@ A runtime (``spec.engine.runtime``) says, from the spec and the few facts the bu
 - ``volumes``: volumes the engine needs besides the model's (vLLM: a memory-backed /dev/shm for NCCL);
 - ``metrics``: where the engine serves Prometheus metrics (the router reads its load from there);
 - ``router_backend``: what the router is told the replicas speak (``tokenfleet route --backend-runtime``);
+- ``kv_events_port``: where a replica publishes the KV-cache events the router follows, if it does;
 - ``problems``: the fields of the spec the runtime cannot honour, and ``engine.extraArgs`` that collide with a
   flag the operator sets (each a Problem naming the field or the flag);
 - ``reads_model_shape``: whether the operator checks the model's split with the image's ``tokenfleet
@@ -120,6 +121,11 @@ class Runtime(abc.ABC):
     def volumes(self, launch: Launch) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(pod volumes, container mounts) the engine needs besides the model's; none by default."""
         return [], []
+
+    def kv_events_port(self, spec: InferenceServiceSpec) -> int | None:
+        """The port where a replica publishes its KV-cache events for the router to follow, or None when the
+        router learns a replica's prompt blocks another way (``spec.routing.prefixSource``)."""
+        return None
 
     @abc.abstractmethod
     def problems(self, spec: InferenceServiceSpec) -> list[Problem]:

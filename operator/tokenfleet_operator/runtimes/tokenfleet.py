@@ -134,4 +134,8 @@ class TokenfleetRuntime(Runtime):
         if looks_like_vllm(spec.image):
             return [not_supported(self.name, "spec.image", f"runs 'tokenfleet serve', which the vLLM image "
                                   f"{spec.image} does not have; set spec.engine.runtime to vllm")]
+        if spec.routing.prefix_source is not None:
+            return [not_supported(self.name, "spec.routing.prefixSource", "reports the prompt blocks each replica "
+                                  "holds on /cache/blocks, which the router reads; remove prefixSource (it chooses "
+                                  "between two sources for vLLM replicas)")]
         return bundled_server_problems(spec)

@@ -35,6 +35,7 @@ from tokenfleet_operator.runtimes.base import (
 )
 from tokenfleet_operator.validation import Problem, runs_bundled_server
 from tokenfleet_serving.contract.pod_env import PodEnv
+from tokenfleet_serving.contract.router_files import DEFAULT_KV_EVENTS_PORT
 
 NAME = "vllm"
 API_KEY_ENV = "VLLM_API_KEY"
@@ -58,6 +59,10 @@ REFUSED_FIELDS: frozenset[str] = frozenset({"kv_offload"})
 # Multi-host replicas on vLLM: its multi-node mode (torch.distributed over the Slice's headless Service). Set to
 # False to refuse hostsPerReplica > 1 with a condition, should the vLLM build in use not run it.
 MULTI_HOST = True
+
+# spec.routing.prefixSource kvEvents: vLLM publishes its KV-cache events here (ZeroMQ PUB), the router subscribes
+KV_EVENTS_PORT = DEFAULT_KV_EVENTS_PORT
+KV_EVENTS_TOPIC = "kv"
 
 # The flags the operator sets (or refuses, because they would change what it set), with the field to set
 # instead. Short aliases are vLLM's own; every flag's abbreviation (argparse accepts unique prefixes) counts too.
@@ -88,6 +93,7 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag("--master-addr", "the operator (the leader's name in its Slice's headless Service)"),
     OwnedFlag("--master-port", "the operator"),
     OwnedFlag("--headless", "the operator (every member but the leader)"),
+    OwnedFlag("--kv-events-config", "spec.routing.prefixSource"),
 )
 
 
@@ -165,6 +171,10 @@ class VllmRuntime(Runtime):
         sizes = launch.sizes
         if sizes.world > 1:
             args += ["--tensor-parallel-size", str(sizes.tensor), "--pipeline-parallel-size", str(sizes.pipeline)]
+        if self.kv_events_port(spec) is not None and launch.leader:
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                      "topic": KV_EVENTS_TOPIC}
+            args.append(f"--kv-events-config={json.dumps(events, separators=(',', ':'), sort_keys=True)}")
         if sizes.hosts > 1:
             rank = "0" if launch.leader else f"$({PodEnv.MEMBER_INDEX.value})"
             args += ["--nnodes", str(sizes.hosts), "--node-rank", rank,
@@ -173,6 +183,9 @@ class VllmRuntime(Runtime):
                 args.append("--headless")
         args += list(eng.extra_args or [])
         return args
+
+    def kv_events_port(self, spec: InferenceServiceSpec) -> int | None:
+        return KV_EVENTS_PORT if spec.routing.prefix_source == "kvEvents" else None
 
     def env(self, key_ref: dict[str, Any]) -> list[dict[str, Any]]:
         # The pod runs as a non-root uid on a read-only root filesystem: vLLM's caches (~/.cache/vllm, Triton's

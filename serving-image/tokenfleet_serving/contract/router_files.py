@@ -14,6 +14,9 @@ read them.
      "loadFactor": 1.25, "loadSlack": 4, "kvUsageThreshold": 0.9,   # optional tuning (policy.py)
      "migrationLimit": 3,                      # optional: moves of one broken stream to another replica
      "noReplicaHoldSeconds": 30,               # optional: how long a request waits while no replica is ready
+     "prefixSource": "routed", "kvEventsPort": 5557,   # optional, vLLM backends: which blocks a replica holds,
+                                               # from the router's record of what it sent ("routed") or from
+                                               # the replica's KV events ("kvEvents", router/kv_events.py)
      "tiers": [{"name": "small", "model": "llama-1b", "maxPromptTokens": 512, "maxOutputTokens": 256},
                {"name": "large", "model": "llama-70b"}],   # optional difficulty tiers, cheapest first
      "route": {...}}                           # optional: route mode (a TokenRoute's router; route_files.py)
@@ -40,6 +43,8 @@ from typing import Any
 from tokenfleet_serving.contract.route_files import RouteConfig, parse_route, route_json
 
 POLICIES = ("round-robin", "least-load", "prefix-aware", "kv-aware")
+PREFIX_SOURCES = ("routed", "kvEvents")
+DEFAULT_KV_EVENTS_PORT = 5557
 DEFAULT_TIER = "default"
 
 
@@ -110,6 +115,8 @@ class RouterConfig:
     migration_limit: int = 3        # a stream cut mid-way moves to another replica at most this often (0: never)
     no_replica_hold_s: float = 30.0  # a request that finds no ready replica waits this long for one (0: 503 at once)
     route: RouteConfig | None = None  # route mode: a TokenRoute's router over other services' routers (route_files.py)
+    prefix_source: str = "routed"   # vLLM backends: "routed" (the router's own record) or "kvEvents"
+    kv_events_port: int = DEFAULT_KV_EVENTS_PORT   # where a vLLM replica publishes its KV events
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ class _Fields:
 
 ROUTER_KEYS = ("service", "namespace", "models", "policy", "sessionAffinity", "kvBlockSize", "modelPath", "price",
                "slo", "scaleFromZero", "loadFactor", "loadSlack", "kvUsageThreshold", "tiers", "migrationLimit",
-               "noReplicaHoldSeconds", "route")
+               "noReplicaHoldSeconds", "route", "prefixSource", "kvEventsPort")
 
 
 def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
@@ -241,6 +248,9 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
     if len(set(names)) != len(names):
         raise f.fail("tiers", f"has duplicate names: {names}")
     model_path = f.get("modelPath", str)
+    prefix_source = f.get("prefixSource", str, "routed")
+    if prefix_source not in PREFIX_SOURCES:
+        raise f.fail("prefixSource", f"must be one of {', '.join(PREFIX_SOURCES)}, got {prefix_source!r}")
     return RouterConfig(
         service=f.get("service", str, "tokenfleet"),
         namespace=f.get("namespace", str, ""),
@@ -271,6 +281,8 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
         migration_limit=f.integer("migrationLimit", 3, 0, 100),
         no_replica_hold_s=f.number("noReplicaHoldSeconds", 30.0, 0.0, 3600.0),
         route=parse_route(f.sub("route")) if f.obj.get("route") is not None else None,
+        prefix_source=prefix_source,
+        kv_events_port=f.integer("kvEventsPort", DEFAULT_KV_EVENTS_PORT, 1, 65535),
     )
 
 
@@ -331,6 +343,8 @@ def router_config_json(c: RouterConfig) -> dict[str, Any]:
         "loadFactor": c.load_factor, "loadSlack": c.load_slack, "kvUsageThreshold": c.kv_usage_threshold,
         "migrationLimit": c.migration_limit, "noReplicaHoldSeconds": c.no_replica_hold_s,
     }
+    if c.prefix_source != "routed" or c.kv_events_port != DEFAULT_KV_EVENTS_PORT:
+        out["prefixSource"], out["kvEventsPort"] = c.prefix_source, c.kv_events_port
     if c.scale_from_zero is not None:
         out["scaleFromZero"] = {"maxPendingRequests": c.scale_from_zero.max_pending,
                                 "pendingTimeoutSeconds": c.scale_from_zero.timeout_s}

@@ -44,6 +44,7 @@ from tokenfleet_serving.openai.protocol import parse_json_body
 from tokenfleet_serving.openai.sse import DONE_EVENT, SseEvents, error_event, event_json, is_done, sse_event
 from tokenfleet_serving.router.auth import ClientKeys
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
+from tokenfleet_serving.router.kv_events import Subscriptions
 from tokenfleet_serving.router.metrics import RouterMetrics
 from tokenfleet_serving.router.migration import (
     BACKEND_ERROR,
@@ -190,6 +191,7 @@ class Router:
         self._endpoints_text: bytes | None = None
         self._endpoints_problem: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self.kv_events: Subscriptions | None = None   # one per replica, with prefixSource kvEvents
         self.session: aiohttp.ClientSession | None = None
         self.max_body_bytes = max_body_bytes
         self.app = self._build_app(max_body_bytes)
@@ -213,6 +215,8 @@ class Router:
             auto_decompress=False,
             connector=aiohttp.TCPConnector(limit=0),
         )
+        if self.fleet.uses_kv_events:
+            self.kv_events = Subscriptions(self.config.kv_events_port)
         self.reload_endpoints()
         if self.route is not None:
             self.route.reload_targets()
@@ -223,6 +227,8 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.session is not None:
             await self.session.close()
 
@@ -243,6 +249,9 @@ class Router:
         self._endpoints_text = text
         self._endpoints_problem = None
         self.fleet.set_endpoints(endpoints)
+        if self.kv_events is not None:
+            self.kv_events.sync((b.name, b.endpoint.ip, b.events) for b in self.fleet.backends.values()
+                                if b.events is not None)
         log.info("endpoints: %s", ", ".join(f"{e.pod}={e.ip}:{e.port}{'' if e.ready else ' (not ready)'}"
                                             for e in endpoints) or "none")
 

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_router_config(args.config)
         keys_path = args.client_keys or os.environ.get("TOKENFLEET_CLIENT_KEYS") or None
         client_keys = ClientKeys(keys_path) if keys_path else None
+        if config.prefix_source == "kvEvents" and args.backend_runtime != "vllm":
+            raise ConfigError(f"{args.config}: prefixSource kvEvents reads vLLM's KV events, and --backend-runtime "
+                              f"is {args.backend_runtime} (whose replicas report their blocks on /cache/blocks)")
     except (ConfigError, KeyFileError) as exc:
         print(f"tokenfleet route: {exc}", file=sys.stderr)
         write_termination_message(f"tokenfleet route: {exc}")

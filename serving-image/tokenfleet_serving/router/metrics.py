@@ -170,7 +170,7 @@ class _FleetCollector:
             per["running"].add_metric([b.name], b.sample.running if b.sample else 0.0)
             per["kv"].add_metric([b.name], b.sample.kv_usage if b.sample else 0.0)
             per["inflight"].add_metric([b.name], b.inflight)
-            per["blocks"].add_metric([b.name], len(b.cached))
+            per["blocks"].add_metric([b.name], b.cached_blocks())
             per["draining"].add_metric([b.name], 1.0 if b.endpoint.draining else 0.0)
         yield from per.values()
         yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())

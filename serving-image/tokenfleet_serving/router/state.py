@@ -5,7 +5,8 @@ endpoint's ``/metrics`` (vLLM names: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
 ``vllm:generation_tokens_total``; ``tokenfleet:ready`` when present) and
 ``/cache/blocks`` (the engine's cached block hashes; a vLLM replica has none: the router keeps its own record
-of the blocks it sent there, ``backend_runtime.RoutedBlocks``). Between polls the router
+of the blocks it sent there, ``backend_runtime.RoutedBlocks``, or with ``prefixSource: kvEvents`` follows the
+replica's KV events, ``kv_events.EventBlocks``). Between polls (or events) the router
 adds the blocks of requests it has just routed to the chosen backend's set for
 a few seconds, so a burst of requests sharing a new prefix sticks together
 before the next poll can show the prefix as cached.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM, BackendRuntime, RoutedBlocks
+from tokenfleet_serving.router.kv_events import EventBlocks
 from tokenfleet_serving.router.policy import BackendView
 
 log = logging.getLogger("tokenfleet.router.state")
@@ -126,7 +128,7 @@ class CounterRate:
 class _CachedView:
     """Polled block hashes plus recently routed ones, without copying the polled set."""
 
-    def __init__(self, polled: frozenset[str], recent: dict[str, float], now: float):
+    def __init__(self, polled: frozenset[str] | EventBlocks, recent: dict[str, float], now: float):
         self.polled, self.recent, self.now = polled, recent, now
 
     def __contains__(self, h: object) -> bool:
@@ -158,6 +160,7 @@ class BackendState:
     tokens: CounterRate = field(default_factory=CounterRate)
     routed: RoutedBlocks | None = None  # the router's record of the blocks it sent here (runtimes without
                                         # /cache/blocks)
+    events: EventBlocks | None = None   # the blocks its KV events say it holds (prefixSource: kvEvents)
     max_model_len: int | None = None    # from /v1/models (vLLM): the continuation's token budget
     missing_logged: frozenset[str] | None = None   # the load signals it was last logged to lack
 
@@ -168,6 +171,11 @@ class BackendState:
     def load(self) -> int:
         polled = self.sample.load if self.sample else 0
         return max(polled, self.inflight)
+
+    def cached_blocks(self) -> int:
+        """How many prompt blocks the router believes it holds, whichever source says so."""
+        known = self.routed if self.routed is not None else self.events if self.events is not None else self.cached
+        return len(known)
 
 
 MAX_SESSIONS = 50_000          # session keys remembered at once; the least recently used goes first
@@ -227,6 +235,10 @@ class Fleet:
         self.backends: dict[str, BackendState] = {}
         self.sessions = SessionTable(config.session_affinity.ttl_seconds, max_sessions)
         self.endpoints_loaded = False
+        if config.prefix_source == "kvEvents" and runtime.name != VLLM:
+            raise ValueError(f"prefixSource kvEvents reads vLLM's KV events; the {runtime.name} runtime's replicas "
+                             "report their blocks on /cache/blocks")
+        self.uses_kv_events = config.prefix_source == "kvEvents"
 
     # ---- endpoints -------------------------------------------------------------------------
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
@@ -239,8 +251,10 @@ class Fleet:
                 old.listed_ready = old.listed_ready or ep.ready
                 fresh[ep.pod] = old
             else:
-                fresh[ep.pod] = BackendState(ep, listed_ready=ep.ready,
-                                             routed=RoutedBlocks() if self.runtime.records_routed_blocks else None)
+                fresh[ep.pod] = BackendState(
+                    ep, listed_ready=ep.ready,
+                    routed=RoutedBlocks() if self.runtime.records_routed_blocks and not self.uses_kv_events else None,
+                    events=EventBlocks(self.config.kv_block_size, name=ep.pod) if self.uses_kv_events else None)
         self.backends = fresh
         self.endpoints_loaded = True
 
@@ -256,8 +270,11 @@ class Fleet:
             sample = replace(sample, ready=True)   # its HTTP server, /metrics included, starts after the engine
         if sample.block_size is not None and block_size is None:
             block_size = sample.block_size
-        if b.routed is not None and sample.cache_blocks is not None and sample.cache_blocks != b.routed.capacity:
-            b.routed.resize(sample.cache_blocks)
+        for record in (b.routed, b.events):
+            if record is not None and sample.cache_blocks is not None and sample.cache_blocks != record.capacity:
+                record.resize(sample.cache_blocks)
+        if b.events is not None:
+            b.recent = {h: exp for h, exp in b.recent.items() if exp > now and h not in b.events}
         b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
         if cached is not None:
             b.cached = cached
@@ -336,7 +353,8 @@ class Fleet:
         now = self.clock()
         return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
                             b.routed if b.routed is not None else
-                            _CachedView(b.cached, b.recent, now) if b.recent else b.cached,
+                            _CachedView(b.events if b.events is not None else b.cached, b.recent, now)
+                            if b.recent else b.events if b.events is not None else b.cached,
                             b.sample.adapters if b.sample else frozenset(), b.host_cached, b.disk_cached)
                 for b in self.routable(tier) if b.name not in exclude]
 
@@ -353,8 +371,9 @@ class Fleet:
             b.routed.add(block_hashes)
             return
         expiry = self.clock() + RECENT_TTL_S
+        known = b.events if b.events is not None else b.cached
         for h in block_hashes:
-            if h not in b.cached:
+            if h not in known:
                 b.recent[h] = expiry
 
     # ---- cost ------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The pod runner's pure part: what process a pod becomes."""
+import socket
 import sys
 
 import pytest
 
-from tokenfleet_dev.localcluster.launch import LaunchError, container_launches, expand
+from tokenfleet_dev.localcluster.launch import LaunchError, bind_to_pod_ip, container_launches, expand
 
 PREFIX = "tokenfleet/serving"
 
@@ -105,11 +106,46 @@ def test_config_map_and_secret_volumes_become_local_file_folders():
 @pytest.mark.parametrize("arg, expected", [
     ("0.0.0.0", "127.2.0.9"), ("::", "127.2.0.9"), ("--host=0.0.0.0", "--host=127.2.0.9"),
     ("0.0.0.0:8000", "127.2.0.9:8000"), ("--bind=[::]:80", "--bind=127.2.0.9:80"),
-    ("10.0.0.0", "10.0.0.0"), ("0.0.0.0.tar", "0.0.0.0.tar"), ("x=1", "x=1")])
+    ("10.0.0.0", "10.0.0.0"), ("0.0.0.0.tar", "0.0.0.0.tar"), ("x=1", "x=1"),
+    ('--kv-events-config={"endpoint":"tcp://*:5557","topic":"kv"}',
+     '--kv-events-config={"endpoint":"tcp://[::ffff:127.2.0.9]:5557","topic":"kv"}')])
 def test_wildcard_bind_addresses_become_the_pod_ip(arg, expected):
     p = pod([{"name": "srv", "image": f"{PREFIX}:0.1", "command": ["serve", arg]}])
     (c,) = launch(p)
     assert c.argv[1] == expected
+
+
+def test_zeromq_binds_the_ipv4_mapped_endpoint_to_the_pod_ip_alone():
+    """What the ZeroMQ rewrite relies on: two publishers on one port, each on its pod's IP, and a subscriber of
+    one pod's IP reaches that pod's publisher."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    with socket.socket() as s:
+        s.bind(("127.2.0.9", 0))
+        port = s.getsockname()[1]
+    pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+    sub = ctx.socket(zmq.SUB)
+    try:
+        for pub, ip in zip(pubs, ("127.2.0.9", "127.2.0.10")):
+            pub.bind(bind_to_pod_ip(f"tcp://*:{port}", ip))
+            assert pub.getsockopt_string(zmq.LAST_ENDPOINT) == f"tcp://{ip}:{port}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.2.0.10:{port}")
+        got = None
+        for _ in range(100):
+            pubs[0].send(b"pod 9")
+            pubs[1].send(b"pod 10")
+            if sub.poll(50):
+                got = sub.recv()
+                break
+            time.sleep(0.01)
+        assert got == b"pod 10"
+    finally:
+        for sock in (*pubs, sub):
+            sock.close(linger=0)
 
 
 def test_a_capped_cpu_reaches_the_pods_as_it_would_on_a_node_of_that_cpu():

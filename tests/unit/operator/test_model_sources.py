@@ -31,6 +31,8 @@ NOT_MODEL_SOURCES = {
     "spec.checkpoint.store": "a Slice's checkpoint store URI; hostpath:// takes the same policy (validation)",
     "spec.engine.kvOffload.diskPath": "a directory inside the serving container that the disk tier writes; the "
                                       "operator mounts no volume for it, so it reaches no host path",
+    "spec.routing.prefixSource": "an enum (routed | kvEvents): where the router learns which prompt blocks a "
+                                 "replica holds, not a place to load from",
 }
 
 

@@ -35,7 +35,9 @@ out = {"options": sorted({o for a in parser._subparsers._group_actions[0].choice
        "quantizations": QUANTIZATION_METHODS, "parsed": []}
 for argv in json.load(sys.stdin):
     ns = parser.parse_args(argv)
-    out["parsed"].append({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, type(None)))})
+    parsed = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    parsed["kv_events"] = None if ns.kv_events_config is None else str(ns.kv_events_config)
+    out["parsed"].append(parsed)
 print(json.dumps(out))
 """
 
@@ -46,7 +48,8 @@ def commands():
         "runtime": "vllm", "dtype": "bfloat16", "maxModelLen": 8192, "maxNumSeqs": 64, "maxNumBatchedTokens": 2048,
         "kvBlockSize": 32, "kvCacheMb": 512, "enablePrefixCaching": False, "quantization": "fp8",
         "toolCallParser": "hermes", "speculativeDecoding": {"method": "ngram", "numSpeculativeTokens": 3},
-        "tensorParallelSize": 4, "pipelineParallelSize": 2, "extraArgs": ["--enforce-eager"]})
+        "tensorParallelSize": 4, "pipelineParallelSize": 2, "extraArgs": ["--enforce-eager"]},
+        routing={"prefixSource": "kvEvents"})
     spec = InferenceServiceSpec.model_validate(body["spec"])
     manifest = slice_manifest(body, spec, 0)["spec"]
     out = []
@@ -96,6 +99,9 @@ def test_vllm_parses_the_command_lines_to_the_specs_values(vllm_reads):
         assert (parsed["tensor_parallel_size"], parsed["pipeline_parallel_size"], parsed["nnodes"]) == (4, 2, 2)
         assert (parsed["master_addr"], parsed["master_port"]) == ("leader.svc", 29500)
     assert (leader["node_rank"], leader["headless"]) == (0, False)
+    # the leader's engine core publishes the KV events the router follows (prefixSource kvEvents)
+    assert "tcp://*:5557" in leader["kv_events"] and "enable_kv_cache_events=True" in leader["kv_events"]
+    assert worker["kv_events"] is None
     assert (worker["node_rank"], worker["headless"]) == (1, True)
 
 

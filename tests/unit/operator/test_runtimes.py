@@ -122,6 +122,7 @@ def test_the_multi_host_switch_refuses_several_hosts_with_a_condition(monkeypatc
     (["--enforce-eager", "--api-key", "k"], "--api-key"),
     (["--model", "/other"], "--model"),
     (["-dp", "2"], "--data-parallel-size"),
+    (['--kv-events-config={"enable_kv_cache_events":true}'], "--kv-events-config"),
 ])
 def test_extra_args_that_collide_with_an_owned_flag_are_refused_naming_it(extra, flag):
     _, spec = one_host(engine={"extraArgs": extra})
@@ -176,6 +177,39 @@ def test_the_router_runs_from_the_operators_image_told_which_runtime_the_replica
         assert router["command"][:2] == ["tokenfleet", "route"]
         assert [a for a in router["command"][2:] if a == "--backend-runtime" or a in RUNTIMES] == backend
         assert runtime_of(spec).router_backend == runtime
+
+
+def test_kv_events_as_the_prefix_source_reach_vllm_the_router_and_the_network_policy():
+    wiring = Wiring(router_image="registry.example.com/tokenfleet/serving:0.1.0")
+    for source in (None, "routed", "kvEvents"):
+        body, spec = one_host(routing={"prefixSource": source} if source else {})
+        assert check_inference_service(spec) == []
+        leader, _ = containers(body, spec, wiring)
+        children = desired_children(body, spec, wiring=wiring).others
+        router_json = json.loads(next(c for c in children if c["kind"] == "ConfigMap"
+                                      and "router.json" in c["data"])["data"]["router.json"])
+        policy = next(c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].endswith("-replicas"))
+        router_ports = [p["port"] for p in policy["spec"]["ingress"][0]["ports"]]
+        flags = [a for a in leader["command"] if a.startswith("--kv-events-config")]
+        if source != "kvEvents":
+            assert flags == [] and "prefixSource" not in router_json and router_ports == [8000]
+            assert [p["name"] for p in leader["ports"]] == ["http"]
+            continue
+        [flag] = flags
+        config = json.loads(flag.split("=", 1)[1])
+        assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                          "topic": "kv"}
+        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in leader["ports"]
+        assert (router_json["prefixSource"], router_json["kvEventsPort"]) == ("kvEvents", 5557)
+        assert router_ports == [8000, 5557]
+
+
+@pytest.mark.parametrize("source", ["routed", "kvEvents"])
+def test_a_prefix_source_on_the_bundled_engine_is_a_condition_naming_the_field(source):
+    spec = InferenceServiceSpec.model_validate(isvc_body(routing={"prefixSource": source})["spec"])
+    [problem] = check_inference_service(spec)
+    assert (problem.reason, problem.field) == ("NotSupportedByRuntime", "spec.routing.prefixSource")
+    assert "/cache/blocks" in problem.message
 
 
 def test_every_owned_flag_is_named_once():

@@ -1,0 +1,256 @@
+"""A vLLM replica's prefix cache as the replica itself reports it: its KV events (``prefixSource: kvEvents``).
+
+vLLM started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+"tcp://*:5557", ...}'`` publishes every change to its prefix cache on a ZeroMQ PUB socket, one message of three
+frames per batch: the topic, a sequence number (8 bytes, big-endian) and a msgpack batch ``{ts, events,
+data_parallel_rank}`` (a list in that order in older builds). Three kinds of event are read:
+
+- ``BlockStored``: ``block_hashes`` (vLLM's, one per full block), ``parent_block_hash``, ``token_ids`` (the
+  blocks' tokens, ``block_size`` each), ``lora_name`` (or only the deprecated ``lora_id``), ``medium`` and
+  ``extra_keys`` (what else went into a block's hash: images, a cache salt);
+- ``BlockRemoved``: ``block_hashes`` and ``medium``;
+- ``AllBlocksCleared``.
+
+vLLM's block hashes depend on its hash algorithm and seed, which the router does not share. So the router
+keys the blocks by its own chained hash (``prefix.block_hashes``: the one it computes for every prompt), which
+it computes from the event's tokens, chained from the router hash of the parent block, and keeps a map from
+vLLM's hash to its own. A block whose hash took more than tokens (``extra_keys``), or whose parent the router
+never saw stored, cannot be named that way and is left out, as are blocks of a lower tier (``medium`` other
+than the accelerator's) and blocks of another size than the router's ``kvBlockSize`` (logged once).
+
+The record is bounded like ``RoutedBlocks`` (the replica's ``num_gpu_blocks``, least recently stored first), so
+that removals lost in transit (ZeroMQ drops what a subscriber has not yet connected for, and what overflows its
+queue) age out. A sequence number lower than the last one means the replica's engine restarted: the record is
+cleared. A gap is counted, and nothing replayed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet_serving.engine.block_pool import adapter_root_hash, hash_prefix_blocks
+from tokenfleet_serving.router.backend_runtime import DEFAULT_RECORDED_BLOCKS, RoutedBlocks
+
+log = logging.getLogger("tokenfleet.router.kv_events")
+
+# What the operator passes vLLM (runtimes/vllm.py) and the router subscribes to: one port per replica.
+DEFAULT_PORT = 5557
+ACCELERATOR_MEDIA = (None, "GPU", "gpu", "cuda")   # vLLM calls its accelerator tier GPU on every device
+# positional fields of the array-like encoding of older vLLM builds (after the tag)
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+class EventFormatError(ValueError):
+    """A message that is not a vLLM KV event batch."""
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    kind: str                                   # BlockStored | BlockRemoved | AllBlocksCleared
+    block_hashes: tuple[Any, ...] = ()
+    parent_block_hash: Any = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    medium: str | None = None
+    lora: str | None = None                     # the adapter's name; "#<id>" when only lora_id was sent
+    extra_keys: tuple[Any, ...] | None = None
+
+
+def _event(raw: Any) -> KvEvent | None:
+    if isinstance(raw, dict):
+        kind, fields = raw.get("type"), raw
+    elif isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        fields = dict(zip(names, raw[1:]))
+    else:
+        raise EventFormatError(f"an event must be a map or a tagged array, got {type(raw).__name__}")
+    if kind == "AllBlocksCleared":
+        return KvEvent(kind)
+    if kind not in ("BlockStored", "BlockRemoved"):
+        return None                             # a kind this router does not read
+    hashes = fields.get("block_hashes")
+    if not isinstance(hashes, (list, tuple)):
+        raise EventFormatError(f"{kind} has no block_hashes list")
+    medium = fields.get("medium")
+    if kind == "BlockRemoved":
+        return KvEvent(kind, tuple(hashes), medium=medium)
+    tokens = fields.get("token_ids")
+    size = fields.get("block_size")
+    if not isinstance(tokens, (list, tuple)) or not isinstance(size, int) or size < 1:
+        raise EventFormatError("BlockStored needs token_ids and a positive block_size")
+    lora = fields.get("lora_name")
+    if lora is None and fields.get("lora_id") is not None:
+        lora = f"#{fields['lora_id']}"
+    extra = fields.get("extra_keys")
+    return KvEvent(kind, tuple(hashes), fields.get("parent_block_hash"), tuple(tokens), size, medium, lora,
+                   tuple(extra) if isinstance(extra, (list, tuple)) else None)
+
+
+def decode_batch(payload: bytes) -> list[KvEvent]:
+    """The events of one published batch (msgpack), in order; kinds the router does not read are dropped."""
+    import msgpack
+
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for bad input
+        raise EventFormatError(f"not msgpack: {exc}") from None
+    if isinstance(batch, dict):
+        events = batch.get("events")
+    elif isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        events = batch[1]
+    else:
+        raise EventFormatError("a batch must be a map with events or an array [ts, events, ...]")
+    if not isinstance(events, (list, tuple)):
+        raise EventFormatError("a batch's events must be a list")
+    return [e for e in (_event(raw) for raw in events) if e is not None]
+
+
+class EventBlocks(RoutedBlocks):
+    """The router-hash blocks one vLLM replica holds in its accelerator tier, as its KV events tell."""
+
+    def __init__(self, block_size: int, capacity: int = DEFAULT_RECORDED_BLOCKS, name: str = ""):
+        super().__init__(capacity)
+        self.block_size = block_size
+        self.name = name
+        self.ours: dict[Any, str] = {}          # vLLM's hash -> the router's (hex)
+        self.theirs: dict[str, Any] = {}        # and back, to forget both when one goes
+        self.next_seq: int | None = None
+        self.gaps = 0                           # batches missed (sequence numbers skipped)
+        self.unnamed = 0                        # stored blocks the router could not key by its own hash
+        self.restarts = 0
+        self._warned_size = False
+
+    # ---- the record ----------------------------------------------------------------------------------------
+    def trim(self) -> None:
+        while len(self.blocks) > self.capacity:
+            ours, _ = self.blocks.popitem(last=False)
+            theirs = self.theirs.pop(ours, None)
+            if theirs is not None:
+                self.ours.pop(theirs, None)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.ours.clear()
+        self.theirs.clear()
+
+    def _forget(self, theirs: Any) -> None:
+        ours = self.ours.pop(theirs, None)
+        if ours is not None:
+            self.theirs.pop(ours, None)
+            self.blocks.pop(ours, None)
+
+    def _store(self, e: KvEvent) -> None:
+        if e.block_size != self.block_size:
+            if not self._warned_size:
+                log.warning("backend %s stores blocks of %d tokens but router.json says kvBlockSize %d: its KV "
+                            "events cannot name prompt blocks", self.name, e.block_size, self.block_size)
+                self._warned_size = True
+            self.unnamed += len(e.block_hashes)
+            return
+        parent: bytes | None
+        if e.parent_block_hash is None:
+            # an adapter known only by vLLM's number (lora_id) has no root the router can name
+            parent = None if (e.lora or "").startswith("#") else adapter_root_hash(e.lora)
+        else:
+            known = self.ours.get(e.parent_block_hash)
+            parent = bytes.fromhex(known) if known is not None else None
+        if len(e.token_ids) < len(e.block_hashes) * e.block_size:
+            self.unnamed += len(e.block_hashes)
+            return
+        for i, theirs in enumerate(e.block_hashes):
+            if parent is None or (e.extra_keys is not None and i < len(e.extra_keys) and e.extra_keys[i]):
+                self.unnamed += len(e.block_hashes) - i
+                return                          # this block and its children: hashed with more than tokens
+            [digest] = hash_prefix_blocks(e.token_ids[i * e.block_size:(i + 1) * e.block_size], e.block_size,
+                                          parent=parent)
+            ours = digest.hex()
+            self._forget(theirs)
+            self.ours[theirs] = ours
+            self.theirs[ours] = theirs
+            self.add((ours,))
+            parent = digest
+
+    def apply(self, seq: int, events: Sequence[KvEvent]) -> None:
+        """Apply one batch with its sequence number."""
+        if self.next_seq is not None and seq < self.next_seq:
+            log.info("backend %s: KV event sequence went back from %d to %d (its engine restarted): "
+                     "its record starts again", self.name, self.next_seq - 1, seq)
+            self.clear()
+            self.restarts += 1
+        elif self.next_seq is not None and seq > self.next_seq:
+            self.gaps += seq - self.next_seq
+        self.next_seq = seq + 1
+        for e in events:
+            if e.kind == "AllBlocksCleared":
+                self.clear()
+            elif e.medium not in ACCELERATOR_MEDIA:
+                continue                        # a lower tier's blocks: not what the scorer weighs here
+            elif e.kind == "BlockStored":
+                self._store(e)
+            else:
+                for theirs in e.block_hashes:
+                    self._forget(theirs)
+
+
+async def follow(address: str, blocks: EventBlocks, topic: bytes = b"",
+                 on_error: Callable[[str], None] | None = None) -> None:
+    """Subscribe to one replica's publisher (``tcp://ip:port``) and apply its batches until cancelled. ZeroMQ
+    connects (and reconnects) in the background, so a replica that is not publishing yet is no error."""
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    sock.connect(address)
+    bad = 0
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    raise EventFormatError(f"a message must be [topic, seq(8 bytes), batch], got {len(frames)} "
+                                           "frames")
+                blocks.apply(int.from_bytes(frames[1], "big", signed=True), decode_batch(frames[2]))
+            except EventFormatError as exc:
+                bad += 1
+                if bad == 1 or bad % 1000 == 0:
+                    log.warning("backend %s: %d unreadable KV event message(s) from %s: %s", blocks.name, bad,
+                                address, exc)
+                    if on_error is not None:
+                        on_error(str(exc))
+    finally:
+        sock.close(linger=0)
+
+
+class Subscriptions:
+    """One ``follow`` task per backend, started and cancelled as the endpoint list changes."""
+
+    def __init__(self, port: int, topic: str = ""):
+        self.port = port
+        self.topic = topic.encode()
+        self.tasks: dict[int, tuple[asyncio.Task, EventBlocks]] = {}
+
+    def sync(self, backends: Iterable[tuple[str, str, EventBlocks]]) -> None:
+        """``backends``: (name, ip, its EventBlocks). A backend's record object identifies it: a new pod (or a
+        new address) gets a new record and a new subscription."""
+        wanted = {id(blocks): (name, ip, blocks) for name, ip, blocks in backends}
+        for key in [k for k in self.tasks if k not in wanted]:
+            self.tasks.pop(key)[0].cancel()
+        for key, (_name, ip, blocks) in wanted.items():
+            if key not in self.tasks:
+                host = f"[{ip}]" if ":" in ip else ip
+                task = asyncio.ensure_future(follow(f"tcp://{host}:{self.port}", blocks, self.topic))
+                self.tasks[key] = (task, blocks)
+
+    async def close(self) -> None:
+        for task, _ in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in self.tasks.values()), return_exceptions=True)
+        self.tasks.clear()

@@ -1,0 +1,183 @@
+"""The router's record of a vLLM replica's cache from its KV events (router/kv_events.py): the batches are built
+here with msgpack in the two shapes vLLM publishes (a map per struct, and the older array-like one), and sent over
+a real ZeroMQ PUB socket on loopback for the subscription. tests/e2e/router/test_router_vllm.py (marked vllm)
+reads the events of a real vLLM replica."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import msgpack
+import pytest
+import zmq
+
+from tokenfleet_serving.contract.router_files import ConfigError, Endpoint, parse_router_config, router_config_json
+from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
+from tokenfleet_serving.router.kv_events import EventBlocks, EventFormatError, decode_batch, follow
+from tokenfleet_serving.router.main import main as route_main
+from tokenfleet_serving.router.policy import PolicyParams, RouteRequest, choose
+from tokenfleet_serving.router.prefix import block_hashes
+from tokenfleet_serving.router.state import Fleet
+
+BS = 4
+PROMPT = list(range(100, 120))          # 5 full blocks of 4
+
+
+def stored(hashes, parent, tokens, *, block_size=BS, medium="GPU", lora_name=None, extra_keys=None) -> dict:
+    e = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+         "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": lora_name}
+    if extra_keys is not None:
+        e["extra_keys"] = extra_keys
+    return e
+
+
+def removed(hashes, medium="GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+def batch(*events, ts=1.0) -> bytes:
+    return msgpack.packb({"ts": ts, "events": list(events), "data_parallel_rank": 0})
+
+
+def test_stored_blocks_are_keyed_by_the_routers_own_hash_across_events():
+    blocks = EventBlocks(BS)
+    # the first two blocks in one event, the next three chained on vLLM's hash of the second
+    blocks.apply(0, decode_batch(batch(stored([b"h1", b"h2"], None, PROMPT[:8]))))
+    blocks.apply(1, decode_batch(batch(stored([31, 32, 33], b"h2", PROMPT[8:20]))))
+    assert list(blocks) == list(block_hashes(PROMPT, BS))
+    assert blocks.unnamed == 0 and blocks.gaps == 0
+
+
+def test_the_older_array_like_encoding_reads_the_same():
+    old = msgpack.packb([1.0, [["BlockStored", [b"h1", b"h2"], None, PROMPT[:8], BS, None, "GPU"],
+                               ["BlockRemoved", [b"h2"], "GPU"], ["AllBlocksCleared"]], 0])
+    events = decode_batch(old)
+    assert [e.kind for e in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    blocks = EventBlocks(BS)
+    blocks.apply(0, events[:2])
+    assert list(blocks) == list(block_hashes(PROMPT[:4], BS))
+
+
+def test_removed_and_cleared_blocks_are_forgotten_and_lower_tiers_ignored():
+    blocks = EventBlocks(BS)
+    blocks.apply(0, decode_batch(batch(stored([1, 2, 3], None, PROMPT[:12]))))
+    blocks.apply(1, decode_batch(batch(removed([3]), removed([1], medium="CPU"),
+                                       stored([9], None, PROMPT[12:16], medium="CPU"))))
+    assert list(blocks) == list(block_hashes(PROMPT[:8], BS))   # 3 went; the CPU tier's events changed nothing
+    blocks.apply(2, decode_batch(batch({"type": "AllBlocksCleared"})))
+    assert len(blocks) == 0 and not blocks.ours and not blocks.theirs
+
+
+def test_blocks_the_router_cannot_name_are_left_out():
+    blocks = EventBlocks(BS)
+    # a parent it never saw stored, a block hashed with a cache salt (and its child), another block size
+    blocks.apply(0, decode_batch(batch(stored([5], b"unknown", PROMPT[4:8]),
+                                       stored([1, 2], None, PROMPT[:8], extra_keys=[None, ["salt"]]),
+                                       stored([7], None, PROMPT[:8], block_size=8))))
+    assert list(blocks) == list(block_hashes(PROMPT[:4], BS))
+    assert blocks.unnamed == 1 + 1 + 1
+
+
+def test_an_adapters_blocks_chain_from_its_root():
+    blocks = EventBlocks(BS)
+    blocks.apply(0, decode_batch(batch(stored([1, 2], None, PROMPT[:8], lora_name="ft-1"))))
+    assert list(blocks) == list(block_hashes(PROMPT[:8], BS, adapter="ft-1"))
+    assert not set(blocks) & set(block_hashes(PROMPT[:8], BS))
+
+
+def test_sequence_numbers_count_gaps_and_a_restart_clears_the_record():
+    blocks = EventBlocks(BS)
+    blocks.apply(5, decode_batch(batch(stored([1], None, PROMPT[:4]))))
+    blocks.apply(9, [])
+    assert blocks.gaps == 3
+    blocks.apply(0, decode_batch(batch(stored([2], 1, PROMPT[4:8]))))   # parent 1 went with the restart
+    assert blocks.restarts == 1 and len(blocks) == 0
+
+
+def test_the_record_is_bounded_and_forgets_both_hashes_of_what_it_drops():
+    blocks = EventBlocks(BS, capacity=2)
+    blocks.apply(0, decode_batch(batch(stored([1, 2, 3], None, PROMPT[:12]))))
+    assert list(blocks) == list(block_hashes(PROMPT[:12], BS))[1:]
+    assert set(blocks.ours) == {2, 3} and set(blocks.theirs) == set(blocks)
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb("text"), msgpack.packb({"events": 3}),
+                                     msgpack.packb({"events": [{"type": "BlockStored", "block_hashes": [1]}]}),
+                                     msgpack.packb({"events": [7]})])
+def test_a_message_that_is_not_an_event_batch_is_refused(payload):
+    with pytest.raises(EventFormatError):
+        decode_batch(payload)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_subscription_follows_a_publisher_over_zeromq():
+    """A PUB socket on loopback sends [topic, seq, batch] as vLLM's ZmqEventPublisher does; a frame that is not
+    a batch is logged and skipped, and the subscription goes on."""
+    port = free_port()
+
+    async def scenario() -> EventBlocks:
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        blocks = EventBlocks(BS, name="r0")
+        errors: list[str] = []
+        task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{port}", blocks, on_error=errors.append))
+        try:
+            seq = 0
+            for _ in range(200):                # a SUB socket gets nothing sent before it connected: resend
+                pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch(stored([1, 2], None, PROMPT[:8]))])
+                seq += 1
+                await asyncio.sleep(0.02)
+                if len(blocks):
+                    break
+            pub.send_multipart([b"kv", b"short", b"x"])
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch(stored([3], 2, PROMPT[8:12]))])
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if len(blocks) == 3:
+                    break
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close(linger=0)
+        assert errors and "seq(8 bytes)" in errors[0]
+        return blocks
+
+    blocks = asyncio.run(scenario())
+    assert list(blocks) == list(block_hashes(PROMPT[:12], BS))
+
+
+def test_prefix_aware_routing_reads_the_event_record():
+    config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents"})
+    fleet = Fleet(config, runtime=RUNTIME[VLLM])
+    fleet.set_endpoints([Endpoint("a", "127.0.0.1", 1, True), Endpoint("b", "127.0.0.1", 2, True)])
+    for b in fleet.backends.values():
+        b.polled_at = b.seen_at = fleet.clock()
+        assert b.routed is None and b.events is not None
+    fleet.backends["b"].events.apply(0, decode_batch(batch(stored([1, 2, 3, 4], None, PROMPT[:16]))))
+    request = RouteRequest(block_hashes(PROMPT, BS))
+    decision = choose(request, fleet.views(None), PolicyParams("prefix-aware", 1.25, 0.9, 4))
+    assert (decision.backend, decision.matched_blocks) == ("b", 4)
+    assert fleet.backends["b"].cached_blocks() == 4
+    fleet.note_routed("a", block_hashes(PROMPT, BS))        # routed, not yet reported: held for a few seconds
+    assert {v.name: sum(h in v.cached for h in block_hashes(PROMPT, BS)) for v in fleet.views(None)} == \
+        {"a": 5, "b": 4}
+
+
+def test_the_config_round_trips_and_refuses_an_unknown_source_and_the_bundled_runtime(tmp_path, capsys):
+    config = parse_router_config({"prefixSource": "kvEvents", "kvEventsPort": 6000})
+    assert parse_router_config(router_config_json(config)) == config
+    assert "prefixSource" not in router_config_json(parse_router_config({}))
+    with pytest.raises(ConfigError, match="prefixSource"):
+        parse_router_config({"prefixSource": "events"})
+    with pytest.raises(ValueError, match="kvEvents"):
+        Fleet(config, runtime=RUNTIME[TOKENFLEET])
+    path = tmp_path / "router.json"
+    path.write_text('{"prefixSource": "kvEvents"}')
+    assert route_main(["--config", str(path), "--backend-runtime", "tokenfleet"]) == 2
+    assert "prefixSource kvEvents" in capsys.readouterr().err
