@@ -27,7 +27,9 @@ rate (cached prompt tokens / prompt tokens, from each response's usage), through
 (every prompt distinct, same length) runs under prefix-aware and least-load. With a host tier
 (``--w4-host-tier-mb``, by default enough host memory per replica for every prefix; 0 leaves it out),
 prefix-aware runs once more on fresh replicas of the same KV budget plus that host tier
-(``engine.kvOffload.hostMemory``): its p95 TTFT with and without the tier.
+(``engine.kvOffload.hostMemory``): its p95 TTFT with and without the tier. With vLLM replicas,
+``--w4-prefix-sources routed,kvEvents`` runs prefix-aware once per source of the router's prefix record
+(``routing.prefixSource``), the first listed in the policies' row, on fresh replicas each.
 
 **Runtimes** (``--runtime tokenfleet|vllm|both``): the InferenceServices run the bundled engine
 (``tokenfleet/serving``) or vLLM (``engine.runtime: vllm``, image ``vllm/vllm-openai``, which the local pod
@@ -146,6 +148,7 @@ class Settings:
     skip_autoscale: bool = False
     skip_w4: bool = False
     runtime: str = "tokenfleet"                # the engine the replicas run: tokenfleet | vllm
+    w4_prefix_sources: tuple[str, ...] = ()    # vLLM: routing.prefixSource of prefix-aware, one run each
 
     @property
     def block_size(self) -> int:
@@ -540,14 +543,15 @@ def autoscale_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
 
 # ---- (b) W4 routing -----------------------------------------------------------------------------------
 def w4_run(cluster: Cluster, s: Settings, policy: str, sharing: bool, prefixes: list[list[int]],
-           suffix: str = "", engine: dict[str, Any] | None = None) -> dict[str, Any]:
+           suffix: str = "", engine: dict[str, Any] | None = None,
+           routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """One W4 (or no-sharing) run under ``policy`` on fresh replicas: the raw records and what was spent."""
     name = f"{'w4' if sharing else 'ns'}-{policy}{suffix}"
     cluster.log(f"(b) {'W4' if sharing else 'no-sharing'} under {policy}: {s.w4_replicas} fresh replicas, "
                 f"{s.w4_clients} clients for {s.w4_seconds:.0f}s")
     bound = {k: v for k, v in (("loadFactor", s.w4_load_factor), ("loadSlack", s.w4_load_slack)) if v is not None}
     cluster.apply(cluster.manifest(name, replicas=s.w4_replicas, engine={"kvCacheMb": s.w4_kv_mb, **(engine or {})},
-                                   policy=policy, routing=bound))
+                                   policy=policy, routing={**bound, **(routing or {})}))
     url = cluster.wait_routable(name, s.w4_replicas, 600)
     ips = {p.status.pod_ip for p in cluster.pods(name, "serve") if p.status.pod_ip}
     closed = {"clients": s.w4_clients, "duration_s": s.w4_seconds, "max_tokens": s.w4_max_tokens, "seed": s.seed,
@@ -630,7 +634,21 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
                                                         engine={"kvOffload": {"hostMemory": f"{host_mb}Mi"}})])
 
     host_tier = host_tier_run() if s.w4_host_tier_first else None
-    runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes)]) for p in s.policies}
+    sources = s.w4_prefix_sources if s.runtime == "vllm" else ()
+
+    def source_of(policy: str, source: str | None) -> dict[str, Any] | None:
+        return {"prefixSource": source} if source and policy in ("prefix-aware", "kv-aware") else None
+
+    runs = {p: w4_summary(p, True, [w4_run(cluster, s, p, True, prefixes,
+                                           routing=source_of(p, sources[0] if sources else None))])
+            for p in s.policies}
+    by_source: dict[str, dict[str, Any]] = {}
+    if sources and "prefix-aware" in runs:
+        by_source[sources[0]] = runs["prefix-aware"]
+        for source in sources[1:]:
+            by_source[source] = w4_summary("prefix-aware", True, [w4_run(
+                cluster, s, "prefix-aware", True, prefixes, suffix=f"-{source.lower()}",
+                routing=source_of("prefix-aware", source))])
     # the control's policies route alike (no prefix to follow), so what tells them apart is the host's drift
     # between runs: they alternate, A B B A ..., over w4_nosharing_rounds each, and pool their requests
     order: list[str] = []
@@ -658,6 +676,10 @@ def w4_section(cluster: Cluster, s: Settings) -> dict[str, Any]:
                      "share_of_prefixes_one_replica_holds": round(kv_blocks / prefix_blocks / s.w4_prefixes, 3)},
         "block_size": s.block_size, "policies": runs, "nosharing": control, "ttft_p95_seconds": p95,
         "p95_ratio_round_robin_over_prefix_aware": rr / pa if rr and pa else None,
+        "prefix_aware_by_prefix_source": by_source or None,
+        "p95_ratio_round_robin_over_prefix_aware_by_prefix_source": (
+            {src: rr / r["ttft_p95_s"] if rr and r["ttft_p95_s"] else None for src, r in by_source.items()}
+            if by_source else None),
         "nosharing_p95_ratio_prefix_aware_over_least_load": ns_pa / ns_ll if ns_pa and ns_ll else None,
         "host_tier": ({"mb_per_replica": host_mb, "prefix_aware": host_tier, "ran_first": s.w4_host_tier_first}
                       if host_tier else None),
@@ -714,6 +736,8 @@ def run_bench(plane, namespace: str, s: Settings, workdir: Path, log: Callable[[
             w4_prefix_cache_hit_rate={p: r["prefix_cache_hit_rate"] for p, r in w4["policies"].items()},
             w4_requests_lost=sum(r["lost"] for r in [*w4["policies"].values(), *w4["nosharing"].values()]),
             w4_prefix_aware_ttft_p95_seconds_by_host_tier=w4["prefix_aware_ttft_p95_seconds_by_host_tier"],
+            w4_p95_ratio_round_robin_over_prefix_aware_by_prefix_source=w4[
+                "p95_ratio_round_robin_over_prefix_aware_by_prefix_source"],
             w4=w4,
         )
     return result
@@ -814,6 +838,7 @@ def tables(result: dict[str, Any]) -> str:
                      f"{'lost':>6}{'CPU s':>7}{'req/CPU s':>11}")
         host = (w.get("host_tier") or {}).get("prefix_aware")
         extra = {"prefix-aware + host tier": host} if host else {}
+        extra |= {f"prefix-aware [{src}]": r for src, r in (w.get("prefix_aware_by_prefix_source") or {}).items()}
         for label, runs in (("", {**w["policies"], **extra}), ("no-sharing ", w["nosharing"])):
             for p, r in runs.items():
                 lines.append(f"{label + p:22}{_f(r['ttft_p50_s']):>12}{_f(r['ttft_p95_s']):>12}"
@@ -825,6 +850,8 @@ def tables(result: dict[str, Any]) -> str:
             for p, r in runs.items():
                 lines.append(f"  router decisions, {label + p}: "
                              + ", ".join(f"{k} {v:.0f}" for k, v in (r.get("router_decisions") or {}).items()))
+        for src, ratio in (w.get("p95_ratio_round_robin_over_prefix_aware_by_prefix_source") or {}).items():
+            lines.append(f"p95 round-robin / prefix-aware [{src}]: {_f(ratio, '{:.2f}')}")
         lines.append(f"p95 round-robin / prefix-aware: {_f(w['p95_ratio_round_robin_over_prefix_aware'], '{:.2f}')}; "
                      f"no-sharing p95 prefix-aware / least-load: {_f(w['nosharing_p95_ratio_prefix_aware_over_least_load'], '{:.3f}')}")
     return "\n".join(lines)
@@ -897,7 +924,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 w4_load_slack=args.w4_load_slack, w4_host_tier_mb=args.w4_host_tier_mb,
                 w4_host_tier_first=args.w4_host_tier_first, policies=tuple(args.policies.split(",")),
                 nosharing_policies=tuple(p for p in args.nosharing_policies.split(",") if p),
-                skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4)
+                skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4,
+                w4_prefix_sources=tuple(x for x in args.w4_prefix_sources.split(",") if x))
     return s
 
 
@@ -943,10 +971,17 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: enough for every prefix; 0: no such run)")
     ap.add_argument("--w4-host-tier-first", action="store_true",
                     help="run the host-tier W4 run before the policies' (to swap the order against the host's drift)")
+    ap.add_argument("--w4-prefix-sources", default="",
+                    help="vLLM replicas: comma-separated routing.prefixSource values (routed, kvEvents) to run "
+                         "prefix-aware with, one W4 run each (default: the API's default only)")
     ap.add_argument("--skip-autoscale", action="store_true")
     ap.add_argument("--skip-w4", action="store_true")
     args = ap.parse_args(argv)
     s = settings_from_args(args)
+    unknown = set(s.w4_prefix_sources) - {"routed", "kvEvents"}
+    if unknown or (s.w4_prefix_sources and args.runtime == "tokenfleet"):
+        ap.error(f"--w4-prefix-sources takes routed and kvEvents, for vLLM replicas (got {args.w4_prefix_sources!r} "
+                 f"with --runtime {args.runtime})")
 
     from tokenfleet_dev.localcluster.nodes import NodePool
     from tokenfleet_dev.localcluster.plane import LocalCluster
