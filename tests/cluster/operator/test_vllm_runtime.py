@@ -5,7 +5,8 @@ its router the bundled image's `tokenfleet route --backend-runtime vllm`.
 One service, one run (each vLLM replica takes a minute or two to start on these cores): it comes up Ready,
 answers the official openai client streamed and not, scales 1 -> 2 under load through the built-in autoscaler,
 keeps a stream going when the replica serving it is SIGKILLed, scales back 2 -> 1 with the removed replica
-drained, with no request lost, and reports status.cost and status.goodput.
+drained, with no request lost, and reports status.cost and status.goodput. Its router follows the replicas' KV
+events (routing.prefixSource kvEvents): each replica publishes on port 5557 of its own pod IP.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def service(model: Path) -> dict:
             "image": "vllm/vllm-openai:v0.32.0",
             "engine": {"runtime": "vllm", "dtype": "float32", "maxModelLen": 1024, "kvBlockSize": 32,
                        "maxNumSeqs": 8, "kvCacheMb": 64, "extraArgs": ["--enforce-eager"]},
+            "routing": {"prefixSource": "kvEvents"},
             "slo": {"timeToFirstTokenMs": 600000},
             "price": {"overheadPerHour": 1.0},
             "autoscaling": {"targetRequestsPerReplica": 1, "scaleUpStabilizationSeconds": 0,
@@ -121,6 +123,9 @@ def test_a_vllm_service_serves_scales_and_keeps_streams_across_a_killed_replica(
         wait_for("two ready replicas under load", lambda: status(cluster, namespace).get("readyReplicas") == 2, 600, op)
         assert status(cluster, namespace)["autoscaling"]["reason"]
         wait_for("the router routing to both", lambda: len({b for b in _backends(base)}) == 2, 120, op)
+        # both replicas' KV events reach the router: the blocks of the streams they served
+        wait_for("KV events from both replicas", lambda: len(_blocks(base)) == 2 and min(_blocks(base).values()) > 0,
+                 120, op)
 
         # a replica SIGKILLed mid-stream: the client's stream goes on on the other one
         req = urllib.request.Request(f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
@@ -150,6 +155,7 @@ def test_a_vllm_service_serves_scales_and_keeps_streams_across_a_killed_replica(
         stop.set()
         for c in clients:
             c.join(300)
+        assert not [c for c in clients if c.is_alive()], "a client's request never ended"
         wait_for("one replica again", lambda: status(cluster, namespace).get("desiredReplicas") == 1
                  and len(names(cluster, "slices", namespace)) == 1, 300, op)
         reasons = cluster.kubectl("get", "events", "-n", namespace, "-o", "jsonpath={.items[*].reason}").stdout.split()
@@ -164,6 +170,13 @@ def test_a_vllm_service_serves_scales_and_keeps_streams_across_a_killed_replica(
     finally:
         stop.set()
         op.stop()
+
+
+def _blocks(base: str) -> dict[str, float]:
+    """The prompt blocks the router believes each backend holds (here: from its KV events)."""
+    from harness.router import metric_samples
+    return {k.split("backend=")[1].rstrip("}"): v for k, v in metric_samples(base).items()
+            if k.startswith("tokenfleet_router_backend_cached_blocks{")}
 
 
 def _backends(base: str) -> list[str]:
