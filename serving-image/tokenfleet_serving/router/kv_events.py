@@ -121,6 +121,7 @@ class EventBlocks(RoutedBlocks):
         self.ours: dict[Any, str] = {}          # vLLM's hash -> the router's (hex)
         self.theirs: dict[str, Any] = {}        # and back, to forget both when one goes
         self.next_seq: int | None = None
+        self.batches = 0                        # batches applied
         self.gaps = 0                           # batches missed (sequence numbers skipped)
         self.unnamed = 0                        # stored blocks the router could not key by its own hash
         self.restarts = 0
@@ -186,6 +187,7 @@ class EventBlocks(RoutedBlocks):
         elif self.next_seq is not None and seq > self.next_seq:
             self.gaps += seq - self.next_seq
         self.next_seq = seq + 1
+        self.batches += 1
         for e in events:
             if e.kind == "AllBlocksCleared":
                 self.clear()

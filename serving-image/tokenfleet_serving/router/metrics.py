@@ -26,7 +26,12 @@ are computed from the fleet state at scrape time.
 | ``tokenfleet_router_backend_requests_running{backend}`` | gauge | the backend's batch, ``vllm:num_requests_running`` as polled |
 | ``tokenfleet_router_backend_kv_cache_usage{backend}`` | gauge | KV-cache usage 0..1 |
 | ``tokenfleet_router_backend_inflight{backend}`` | gauge | requests this router has open to the backend |
-| ``tokenfleet_router_backend_cached_blocks{backend}`` | gauge | blocks in the backend's prefix cache |
+| ``tokenfleet_router_backend_cached_blocks{backend}`` | gauge | blocks in the backend's prefix cache (as the |
+  router knows them: polled, recorded as routed, or from KV events) |
+| ``tokenfleet_router_kv_event_batches_total{backend}`` | counter | KV-event batches applied (prefixSource kvEvents) |
+| ``tokenfleet_router_kv_event_batches_missed_total{backend}`` | counter | batches skipped in the sequence (lost) |
+| ``tokenfleet_router_kv_event_blocks_unnamed_total{backend}`` | counter | stored blocks the router could not key by |
+  its own hash (kv_events.py says which) |
 | ``tokenfleet_router_generation_tokens_per_second`` | gauge | summed rate of the backends' ``vllm:generation_tokens_total`` over 60 s |
 | ``tokenfleet_router_dollars_per_hour{currency}`` | gauge | price per replica-hour x listed replicas |
 | ``tokenfleet:cost_per_million_tokens_usd{currency}`` | gauge | dollars per hour / (generated tokens per hour) x 1e6;
@@ -173,6 +178,23 @@ class _FleetCollector:
             per["blocks"].add_metric([b.name], b.cached_blocks())
             per["draining"].add_metric([b.name], 1.0 if b.endpoint.draining else 0.0)
         yield from per.values()
+        followed = [b for b in backends if b.events is not None]
+        if followed:
+            events = {
+                "batches": CounterMetricFamily("tokenfleet_router_kv_event_batches", "KV-event batches applied.",
+                                               labels=["backend"]),
+                "missed": CounterMetricFamily("tokenfleet_router_kv_event_batches_missed",
+                                              "KV-event batches skipped in the sequence.", labels=["backend"]),
+                "unnamed": CounterMetricFamily("tokenfleet_router_kv_event_blocks_unnamed",
+                                               "Stored blocks the router could not key by its own hash.",
+                                               labels=["backend"]),
+            }
+            for b in followed:
+                assert b.events is not None
+                events["batches"].add_metric([b.name], b.events.batches)
+                events["missed"].add_metric([b.name], b.events.gaps)
+                events["unnamed"].add_metric([b.name], b.events.unnamed)
+            yield from events.values()
         yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())
         yield GaugeMetricFamily("tokenfleet_router_held_request_bytes", "Body bytes of the requests held for a "
                                 "replica.", value=self.m.held_bytes())

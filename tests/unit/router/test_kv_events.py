@@ -164,6 +164,12 @@ def test_prefix_aware_routing_reads_the_event_record():
     decision = choose(request, fleet.views(None), PolicyParams("prefix-aware", 1.25, 0.9, 4))
     assert (decision.backend, decision.matched_blocks) == ("b", 4)
     assert fleet.backends["b"].cached_blocks() == 4
+    from prometheus_client import generate_latest
+
+    from tokenfleet_serving.router.metrics import RouterMetrics
+    text = generate_latest(RouterMetrics(fleet, tokenizer_loaded=True).registry).decode()
+    assert 'tokenfleet_router_kv_event_batches_total{backend="b"} 1.0' in text
+    assert 'tokenfleet_router_backend_cached_blocks{backend="b"} 4.0' in text
     fleet.note_routed("a", block_hashes(PROMPT, BS))        # routed, not yet reported: held for a few seconds
     assert {v.name: sum(h in v.cached for h in block_hashes(PROMPT, BS)) for v in fleet.views(None)} == \
         {"a": 5, "b": 4}
