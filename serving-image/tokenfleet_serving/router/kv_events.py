@@ -188,6 +188,8 @@ class EventBlocks(RoutedBlocks):
             self.gaps += seq - self.next_seq
         self.next_seq = seq + 1
         self.batches += 1
+        if self.batches == 1:
+            log.info("backend %s: following its KV events (sequence %d)", self.name, seq)
         for e in events:
             if e.kind == "AllBlocksCleared":
                 self.clear()

@@ -6,7 +6,8 @@ endpoint's ``/metrics`` (vLLM names: ``vllm:num_requests_running``,
 ``vllm:generation_tokens_total``; ``tokenfleet:ready`` when present) and
 ``/cache/blocks`` (the engine's cached block hashes; a vLLM replica has none: the router keeps its own record
 of the blocks it sent there, ``backend_runtime.RoutedBlocks``, or with ``prefixSource: kvEvents`` follows the
-replica's KV events, ``kv_events.EventBlocks``). Between polls (or events) the router
+replica's KV events, ``kv_events.EventBlocks``, and uses the routed record only for a replica that has sent no
+event yet). Between polls (or events) the router
 adds the blocks of requests it has just routed to the chosen backend's set for
 a few seconds, so a burst of requests sharing a new prefix sticks together
 before the next poll can show the prefix as cached.
@@ -25,7 +26,7 @@ import collections
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
@@ -172,10 +173,17 @@ class BackendState:
         polled = self.sample.load if self.sample else 0
         return max(polled, self.inflight)
 
+    def following_events(self) -> bool:
+        """Whether its KV events are what the router goes by: followed, and at least one batch has arrived
+        (until then, a replica whose publisher the router cannot reach is routed by the routed record)."""
+        return self.events is not None and self.events.batches > 0
+
     def cached_blocks(self) -> int:
         """How many prompt blocks the router believes it holds, whichever source says so."""
-        known = self.routed if self.routed is not None else self.events if self.events is not None else self.cached
-        return len(known)
+        if self.following_events():
+            assert self.events is not None
+            return len(self.events)
+        return len(self.routed if self.routed is not None else self.cached)
 
 
 MAX_SESSIONS = 50_000          # session keys remembered at once; the least recently used goes first
@@ -253,7 +261,7 @@ class Fleet:
             else:
                 fresh[ep.pod] = BackendState(
                     ep, listed_ready=ep.ready,
-                    routed=RoutedBlocks() if self.runtime.records_routed_blocks and not self.uses_kv_events else None,
+                    routed=RoutedBlocks() if self.runtime.records_routed_blocks else None,
                     events=EventBlocks(self.config.kv_block_size, name=ep.pod) if self.uses_kv_events else None)
         self.backends = fresh
         self.endpoints_loaded = True
@@ -351,10 +359,7 @@ class Fleet:
 
     def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
         now = self.clock()
-        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0,
-                            b.routed if b.routed is not None else
-                            _CachedView(b.events if b.events is not None else b.cached, b.recent, now)
-                            if b.recent else b.events if b.events is not None else b.cached,
+        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0, self._cached_view(b, now),
                             b.sample.adapters if b.sample else frozenset(), b.host_cached, b.disk_cached)
                 for b in self.routable(tier) if b.name not in exclude]
 
@@ -363,13 +368,26 @@ class Fleet:
         return isinstance(model, str) and any(b.sample is not None and model in b.sample.served_adapters
                                               for b in self.routable())
 
+    @staticmethod
+    def _cached_view(b: BackendState, now: float) -> Collection[str]:
+        """The blocks the policy may count on ``b`` holding: its KV events' record (once it sends events), else
+        the routed record, else its polled /cache/blocks; the polled set and the events' record with the blocks
+        just routed there (``recent``) on top."""
+        if b.following_events():
+            assert b.events is not None
+            return _CachedView(b.events, b.recent, now) if b.recent else b.events
+        if b.routed is not None:
+            return b.routed
+        return _CachedView(b.cached, b.recent, now) if b.recent else b.cached
+
     def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
         b = self.backends.get(name)
         if b is None or not block_hashes:
             return
         if b.routed is not None:
             b.routed.add(block_hashes)
-            return
+            if b.events is None:
+                return
         expiry = self.clock() + RECENT_TTL_S
         known = b.events if b.events is not None else b.cached
         for h in block_hashes:

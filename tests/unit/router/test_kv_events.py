@@ -158,7 +158,7 @@ def test_prefix_aware_routing_reads_the_event_record():
     fleet.set_endpoints([Endpoint("a", "127.0.0.1", 1, True), Endpoint("b", "127.0.0.1", 2, True)])
     for b in fleet.backends.values():
         b.polled_at = b.seen_at = fleet.clock()
-        assert b.routed is None and b.events is not None
+        assert b.routed is not None and b.events is not None
     fleet.backends["b"].events.apply(0, decode_batch(batch(stored([1, 2, 3, 4], None, PROMPT[:16]))))
     request = RouteRequest(block_hashes(PROMPT, BS))
     decision = choose(request, fleet.views(None), PolicyParams("prefix-aware", 1.25, 0.9, 4))
@@ -187,3 +187,26 @@ def test_the_config_round_trips_and_refuses_an_unknown_source_and_the_bundled_ru
     path.write_text('{"prefixSource": "kvEvents"}')
     assert route_main(["--config", str(path), "--backend-runtime", "tokenfleet"]) == 2
     assert "prefixSource kvEvents" in capsys.readouterr().err
+
+
+def test_a_replica_that_has_sent_no_event_yet_is_routed_by_the_routed_record():
+    """A publisher the router cannot reach (a port closed in between, an older vLLM) must not leave prefix
+    affinity to the few seconds of the recent note: until its first batch, the routed record stands in."""
+    clock = [100.0]
+    config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents"})
+    fleet = Fleet(config, runtime=RUNTIME[VLLM], clock=lambda: clock[0])
+    fleet.set_endpoints([Endpoint("a", "127.0.0.1", 1, True), Endpoint("b", "127.0.0.1", 2, True)])
+    for b in fleet.backends.values():
+        b.polled_at = b.seen_at = fleet.clock()
+    fleet.note_routed("b", block_hashes(PROMPT, BS))
+    clock[0] += 60                        # the recent note is long gone; b's polls keep it routable
+    for b in fleet.backends.values():
+        b.polled_at = b.seen_at = fleet.clock()
+    request = RouteRequest(block_hashes(PROMPT, BS))
+    params = PolicyParams("prefix-aware", 1.25, 0.9, 4)
+    assert choose(request, fleet.views(None), params).matched_blocks == 5
+    assert fleet.backends["b"].cached_blocks() == 5
+    # once b's events flow, they are what counts: here they hold two of the blocks
+    fleet.backends["b"].events.apply(0, decode_batch(batch(stored([1, 2], None, PROMPT[:8]))))
+    assert choose(request, fleet.views(None), params).matched_blocks == 2
+    assert fleet.backends["b"].cached_blocks() == 2
