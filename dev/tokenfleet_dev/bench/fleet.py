@@ -866,7 +866,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if a and w:
         fig, (ax_a, ax_w) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     else:                                   # one part skipped: one panel
-        fig, ax_one = plt.subplots(1, 1, figsize=(9 if a else 5, 4.5))
+        fig, ax_one = plt.subplots(1, 1, figsize=(9 if a else 6.5, 4.5))
         ax_a = ax_w = ax_one
     if a:
         ax = ax_a
@@ -893,9 +893,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"replicas and offered load (replica-seconds ratio {_f(a['replica_seconds_ratio'], '{:.2f}')})")
     if w:
         ax = ax_w
-        names = [*w["policies"], *[f"no-sharing\n{p}" for p in w["nosharing"]]]
-        values = [r["ttft_p95_s"] or 0 for r in [*w["policies"].values(), *w["nosharing"].values()]]
-        ax.bar(range(len(names)), values, color=["C0"] * len(w["policies"]) + ["C7"] * len(w["nosharing"]))
+        sources = {f"prefix-aware\n[{src}]": r for src, r in (w.get("prefix_aware_by_prefix_source") or {}).items()}
+        policies = {p: r for p, r in w["policies"].items() if not (sources and p == "prefix-aware")}
+        names = [*sources, *policies, *[f"no-sharing\n{p}" for p in w["nosharing"]]]
+        values = [r["ttft_p95_s"] or 0 for r in [*sources.values(), *policies.values(), *w["nosharing"].values()]]
+        ax.bar(range(len(names)), values,
+               color=["C1"] * len(sources) + ["C0"] * len(policies) + ["C7"] * len(w["nosharing"]))
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("TTFT p95 / s")
         ax.set_title("W4: TTFT p95 per routing policy")
