@@ -185,7 +185,9 @@ class VllmRuntime(Runtime):
         return args
 
     def kv_events_port(self, spec: InferenceServiceSpec) -> int | None:
-        return KV_EVENTS_PORT if spec.routing.prefix_source == "kvEvents" else None
+        # kvEvents unless routed is asked for: measured no worse in W4 (docs/results/runtimes.md), exact where the
+        # routed record guesses (evictions, restarts, several router pods each seeing part of the traffic)
+        return None if spec.routing.prefix_source == "routed" else KV_EVENTS_PORT
 
     def env(self, key_ref: dict[str, Any]) -> list[dict[str, Any]]:
         # The pod runs as a non-root uid on a read-only root filesystem: vLLM's caches (~/.cache/vllm, Triton's

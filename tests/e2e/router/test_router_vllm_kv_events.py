@@ -3,7 +3,8 @@ vLLM's CPU build publishing on ZeroMQ (--kv-events-config), and `tokenfleet rout
 
 The router keys the blocks vLLM reports by its own hash of their tokens (router/kv_events.py); that the key is
 right shows as prefix hits of a later request with the same prefix, counted once the router's short-lived note
-of what it just routed has expired, so that only the events can account for them."""
+of what it just routed has expired, so that only the events can account for them (once a replica's events
+flow, the router no longer goes by its record of what it routed there)."""
 from __future__ import annotations
 
 import json
@@ -59,9 +60,12 @@ def test_the_blocks_vllm_reports_are_the_prompt_blocks_the_router_hashes(events_
     status, _, data = http("POST", router.base_url + "/v1/completions",
                            {"model": "tiny", "prompt": f"{SYSTEM} question 0", "max_tokens": 2})
     assert status == 200, data
+    # once a batch has arrived, the events are what the router counts (not its record of what it routed)
+    wait_until(lambda: samples().get(f"tokenfleet_router_kv_event_batches_total{{backend={NAME}}}", 0) > 0, 30,
+               what="the replica's KV events to reach the router")
     held = wait_until(lambda: (lambda n: n if n >= 2 else None)(
         samples().get(f"tokenfleet_router_backend_cached_blocks{{backend={NAME}}}", 0)), 30,
-        what="the replica's KV events to reach the router")
+        what="the prompt's blocks in the router's record of the events")
     time.sleep(RECENT_TTL_S + 1)        # what the router itself noted as routed has expired by now
     before = samples().get("tokenfleet_router_prefix_hit_blocks_total", 0)
     status, _, data = http("POST", router.base_url + "/v1/completions",

@@ -60,6 +60,7 @@ def test_vllm_serve_is_built_from_every_engine_field():
         "--quantization", "fp8",
         '--speculative-config={"method":"ngram","num_speculative_tokens":3}',
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        '--kv-events-config={"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","topic":"kv"}',
         "--enforce-eager"]
     assert leader["image"] == VLLM_IMAGE
 
@@ -191,7 +192,7 @@ def test_kv_events_as_the_prefix_source_reach_vllm_the_router_and_the_network_po
         policy = next(c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].endswith("-replicas"))
         router_ports = [p["port"] for p in policy["spec"]["ingress"][0]["ports"]]
         flags = [a for a in leader["command"] if a.startswith("--kv-events-config")]
-        if source != "kvEvents":
+        if source == "routed":
             assert flags == [] and "prefixSource" not in router_json and router_ports == [8000]
             assert [p["name"] for p in leader["ports"]] == ["http"]
             continue
