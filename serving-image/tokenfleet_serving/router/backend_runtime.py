@@ -58,6 +58,12 @@ class RoutedBlocks:
                 self.blocks[h] = None
         self.trim()
 
+    def discard(self, h: str) -> None:
+        self.blocks.pop(h, None)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
     def resize(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.trim()

@@ -114,10 +114,14 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
 class EventBlocks(RoutedBlocks):
     """The router-hash blocks one vLLM replica holds in its accelerator tier, as its KV events tell."""
 
-    def __init__(self, block_size: int, capacity: int = DEFAULT_RECORDED_BLOCKS, name: str = ""):
+    def __init__(self, block_size: int, capacity: int = DEFAULT_RECORDED_BLOCKS, name: str = "",
+                 routed: RoutedBlocks | None = None):
         super().__init__(capacity)
         self.block_size = block_size
         self.name = name
+        # the router's record of what it routed to this replica, which the events correct: a block the replica
+        # says it removed (or all of them, or a restart) leaves that record too
+        self.routed = routed
         self.ours: dict[Any, str] = {}          # vLLM's hash -> the router's (hex)
         self.theirs: dict[str, Any] = {}        # and back, to forget both when one goes
         self.next_seq: int | None = None
@@ -139,12 +143,16 @@ class EventBlocks(RoutedBlocks):
         self.blocks.clear()
         self.ours.clear()
         self.theirs.clear()
+        if self.routed is not None:
+            self.routed.clear()
 
     def _forget(self, theirs: Any) -> None:
         ours = self.ours.pop(theirs, None)
         if ours is not None:
             self.theirs.pop(ours, None)
             self.blocks.pop(ours, None)
+            if self.routed is not None:
+                self.routed.discard(ours)
 
     def _store(self, e: KvEvent) -> None:
         if e.block_size != self.block_size:

@@ -6,8 +6,8 @@ endpoint's ``/metrics`` (vLLM names: ``vllm:num_requests_running``,
 ``vllm:generation_tokens_total``; ``tokenfleet:ready`` when present) and
 ``/cache/blocks`` (the engine's cached block hashes; a vLLM replica has none: the router keeps its own record
 of the blocks it sent there, ``backend_runtime.RoutedBlocks``, or with ``prefixSource: kvEvents`` follows the
-replica's KV events, ``kv_events.EventBlocks``, and uses the routed record only for a replica that has sent no
-event yet). Between polls (or events) the router
+replica's KV events, ``kv_events.EventBlocks``, together with the routed record, which the events correct).
+Between polls the router
 adds the blocks of requests it has just routed to the chosen backend's set for
 a few seconds, so a burst of requests sharing a new prefix sticks together
 before the next poll can show the prefix as cached.
@@ -126,6 +126,23 @@ class CounterRate:
         return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+class _EitherView:
+    """The blocks a replica's KV events report, or the router routed there (without copying either)."""
+
+    def __init__(self, events: EventBlocks, routed: RoutedBlocks):
+        self.events, self.routed = events, routed
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.events or h in self.routed
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.events
+        yield from (h for h in self.routed if h not in self.events)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class _CachedView:
     """Polled block hashes plus recently routed ones, without copying the polled set."""
 
@@ -173,17 +190,9 @@ class BackendState:
         polled = self.sample.load if self.sample else 0
         return max(polled, self.inflight)
 
-    def following_events(self) -> bool:
-        """Whether its KV events are what the router goes by: followed, and at least one batch has arrived
-        (until then, a replica whose publisher the router cannot reach is routed by the routed record)."""
-        return self.events is not None and self.events.batches > 0
-
     def cached_blocks(self) -> int:
         """How many prompt blocks the router believes it holds, whichever source says so."""
-        if self.following_events():
-            assert self.events is not None
-            return len(self.events)
-        return len(self.routed if self.routed is not None else self.cached)
+        return len(Fleet.cached_view(self, 0.0))
 
 
 MAX_SESSIONS = 50_000          # session keys remembered at once; the least recently used goes first
@@ -259,10 +268,11 @@ class Fleet:
                 old.listed_ready = old.listed_ready or ep.ready
                 fresh[ep.pod] = old
             else:
+                routed = RoutedBlocks() if self.runtime.records_routed_blocks else None
                 fresh[ep.pod] = BackendState(
-                    ep, listed_ready=ep.ready,
-                    routed=RoutedBlocks() if self.runtime.records_routed_blocks else None,
-                    events=EventBlocks(self.config.kv_block_size, name=ep.pod) if self.uses_kv_events else None)
+                    ep, listed_ready=ep.ready, routed=routed,
+                    events=EventBlocks(self.config.kv_block_size, name=ep.pod, routed=routed)
+                    if self.uses_kv_events else None)
         self.backends = fresh
         self.endpoints_loaded = True
 
@@ -281,8 +291,6 @@ class Fleet:
         for record in (b.routed, b.events):
             if record is not None and sample.cache_blocks is not None and sample.cache_blocks != record.capacity:
                 record.resize(sample.cache_blocks)
-        if b.events is not None:
-            b.recent = {h: exp for h, exp in b.recent.items() if exp > now and h not in b.events}
         b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
         if cached is not None:
             b.cached = cached
@@ -359,7 +367,7 @@ class Fleet:
 
     def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
         now = self.clock()
-        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0, self._cached_view(b, now),
+        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0, self.cached_view(b, now),
                             b.sample.adapters if b.sample else frozenset(), b.host_cached, b.disk_cached)
                 for b in self.routable(tier) if b.name not in exclude]
 
@@ -369,13 +377,14 @@ class Fleet:
                                               for b in self.routable())
 
     @staticmethod
-    def _cached_view(b: BackendState, now: float) -> Collection[str]:
-        """The blocks the policy may count on ``b`` holding: its KV events' record (once it sends events), else
-        the routed record, else its polled /cache/blocks; the polled set and the events' record with the blocks
-        just routed there (``recent``) on top."""
-        if b.following_events():
-            assert b.events is not None
-            return _CachedView(b.events, b.recent, now) if b.recent else b.events
+    def cached_view(b: BackendState, now: float) -> Collection[str]:
+        """The blocks the policy may count on ``b`` holding. A vLLM replica: what its KV events report, or the
+        router routed there and the events did not say is gone (a router started after its replicas hears no
+        event of the prefixes they hold all along, and learns them as it routes); the routed record alone
+        without events. The bundled engine: its polled /cache/blocks, with the blocks just routed there
+        (``recent``) on top."""
+        if b.events is not None and b.routed is not None:
+            return _EitherView(b.events, b.routed)
         if b.routed is not None:
             return b.routed
         return _CachedView(b.cached, b.recent, now) if b.recent else b.cached
@@ -386,10 +395,9 @@ class Fleet:
             return
         if b.routed is not None:
             b.routed.add(block_hashes)
-            if b.events is None:
-                return
+            return
         expiry = self.clock() + RECENT_TTL_S
-        known = b.events if b.events is not None else b.cached
+        known = b.cached
         for h in block_hashes:
             if h not in known:
                 b.recent[h] = expiry

@@ -189,24 +189,25 @@ def test_the_config_round_trips_and_refuses_an_unknown_source_and_the_bundled_ru
     assert "prefixSource kvEvents" in capsys.readouterr().err
 
 
-def test_a_replica_that_has_sent_no_event_yet_is_routed_by_the_routed_record():
-    """A publisher the router cannot reach (a port closed in between, an older vLLM) must not leave prefix
-    affinity to the few seconds of the recent note: until its first batch, the routed record stands in."""
-    clock = [100.0]
+def test_the_routed_record_stands_in_where_events_are_silent_and_the_events_correct_it():
+    """A router that starts after its replicas hears nothing of the prefixes they hold all along (vLLM stores
+    a block once): what it routes fills that gap. What the events say is gone leaves the routed record too."""
     config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents"})
-    fleet = Fleet(config, runtime=RUNTIME[VLLM], clock=lambda: clock[0])
+    fleet = Fleet(config, runtime=RUNTIME[VLLM])
     fleet.set_endpoints([Endpoint("a", "127.0.0.1", 1, True), Endpoint("b", "127.0.0.1", 2, True)])
     for b in fleet.backends.values():
         b.polled_at = b.seen_at = fleet.clock()
+    b_events = fleet.backends["b"].events
+    b_events.apply(0, decode_batch(batch(stored([90], None, list(range(4))))))      # an unrelated prompt
     fleet.note_routed("b", block_hashes(PROMPT, BS))
-    clock[0] += 60                        # the recent note is long gone; b's polls keep it routable
-    for b in fleet.backends.values():
-        b.polled_at = b.seen_at = fleet.clock()
     request = RouteRequest(block_hashes(PROMPT, BS))
     params = PolicyParams("prefix-aware", 1.25, 0.9, 4)
     assert choose(request, fleet.views(None), params).matched_blocks == 5
-    assert fleet.backends["b"].cached_blocks() == 5
-    # once b's events flow, they are what counts: here they hold two of the blocks
-    fleet.backends["b"].events.apply(0, decode_batch(batch(stored([1, 2], None, PROMPT[:8]))))
+    assert fleet.backends["b"].cached_blocks() == 6
+    # b stores the prompt's blocks and evicts the last three: they leave both records
+    b_events.apply(1, decode_batch(batch(stored([1, 2, 3, 4, 5], None, PROMPT), removed([3, 4, 5]))))
     assert choose(request, fleet.views(None), params).matched_blocks == 2
-    assert fleet.backends["b"].cached_blocks() == 2
+    assert fleet.backends["b"].cached_blocks() == 3
+    b_events.apply(2, decode_batch(batch({"type": "AllBlocksCleared"})))
+    decision = choose(request, fleet.views(None), params)
+    assert decision.matched_blocks == 0 and fleet.backends["b"].cached_blocks() == 0
