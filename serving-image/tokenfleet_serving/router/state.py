@@ -190,9 +190,22 @@ class BackendState:
         polled = self.sample.load if self.sample else 0
         return max(polled, self.inflight)
 
+    def cached_view(self, now: float) -> Collection[str]:
+        """The blocks the policy may count on this backend holding. A vLLM replica: what its KV events report,
+        or the router routed there and the events did not say is gone (a router started after its replicas hears no
+        event of the prefixes they hold all along, and learns them as it routes); the routed record alone
+        without events. The bundled engine: its polled /cache/blocks, with the blocks just routed there
+        (``recent``) on top."""
+        if self.events is not None and self.routed is not None:
+            return _EitherView(self.events, self.routed)
+        if self.routed is not None:
+            return self.routed
+        return _CachedView(self.cached, self.recent, now) if self.recent else self.cached
+
     def cached_blocks(self) -> int:
-        """How many prompt blocks the router believes it holds, whichever source says so."""
-        return len(Fleet.cached_view(self, 0.0))
+        """How many prompt blocks the router believes it holds, whichever source says so (the polled ones only,
+        for the bundled engine: not the blocks just routed there)."""
+        return len(self.cached) if self.routed is None else len(self.cached_view(0.0))
 
 
 MAX_SESSIONS = 50_000          # session keys remembered at once; the least recently used goes first
@@ -367,7 +380,7 @@ class Fleet:
 
     def views(self, tier: str | None, exclude: set[str] = frozenset()) -> list[BackendView]:
         now = self.clock()
-        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0, self.cached_view(b, now),
+        return [BackendView(b.name, b.load(), b.sample.kv_usage if b.sample else 0.0, b.cached_view(now),
                             b.sample.adapters if b.sample else frozenset(), b.host_cached, b.disk_cached)
                 for b in self.routable(tier) if b.name not in exclude]
 
@@ -375,19 +388,6 @@ class Fleet:
         """Whether ``model`` is a LoRA adapter some routable backend serves."""
         return isinstance(model, str) and any(b.sample is not None and model in b.sample.served_adapters
                                               for b in self.routable())
-
-    @staticmethod
-    def cached_view(b: BackendState, now: float) -> Collection[str]:
-        """The blocks the policy may count on ``b`` holding. A vLLM replica: what its KV events report, or the
-        router routed there and the events did not say is gone (a router started after its replicas hears no
-        event of the prefixes they hold all along, and learns them as it routes); the routed record alone
-        without events. The bundled engine: its polled /cache/blocks, with the blocks just routed there
-        (``recent``) on top."""
-        if b.events is not None and b.routed is not None:
-            return _EitherView(b.events, b.routed)
-        if b.routed is not None:
-            return b.routed
-        return _CachedView(b.cached, b.recent, now) if b.recent else b.cached
 
     def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
         b = self.backends.get(name)
