@@ -36,8 +36,6 @@ from tokenfleet_serving.router.backend_runtime import DEFAULT_RECORDED_BLOCKS, R
 
 log = logging.getLogger("tokenfleet.router.kv_events")
 
-# What the operator passes vLLM (runtimes/vllm.py) and the router subscribes to: one port per replica.
-DEFAULT_PORT = 5557
 ACCELERATOR_MEDIA = (None, "GPU", "gpu", "cuda")   # vLLM calls its accelerator tier GPU on every device
 # positional fields of the array-like encoding of older vLLM builds (after the tag)
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",

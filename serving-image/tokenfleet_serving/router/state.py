@@ -146,7 +146,7 @@ class _EitherView:
 class _CachedView:
     """Polled block hashes plus recently routed ones, without copying the polled set."""
 
-    def __init__(self, polled: frozenset[str] | EventBlocks, recent: dict[str, float], now: float):
+    def __init__(self, polled: frozenset[str], recent: dict[str, float], now: float):
         self.polled, self.recent, self.now = polled, recent, now
 
     def __contains__(self, h: object) -> bool:
@@ -397,9 +397,8 @@ class Fleet:
             b.routed.add(block_hashes)
             return
         expiry = self.clock() + RECENT_TTL_S
-        known = b.cached
         for h in block_hashes:
-            if h not in known:
+            if h not in b.cached:
                 b.recent[h] = expiry
 
     # ---- cost ------------------------------------------------------------------------------------
