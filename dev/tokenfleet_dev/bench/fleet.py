@@ -922,14 +922,23 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 scale_to_zero_after_s=args.scale_to_zero_after,
                 collect_seconds=args.collect_seconds, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 seed=args.seed, w4_replicas=args.w4_replicas,
-                w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup, w4_kv_mb=args.w4_kv_mb,
+                w4_clients=args.w4_clients, w4_seconds=args.w4_seconds, w4_warmup_s=args.w4_warmup,
                 w4_nosharing_rounds=args.w4_nosharing_rounds, w4_load_factor=args.w4_load_factor,
                 w4_load_slack=args.w4_load_slack, w4_host_tier_mb=args.w4_host_tier_mb,
                 w4_host_tier_first=args.w4_host_tier_first, policies=tuple(args.policies.split(",")),
                 nosharing_policies=tuple(p for p in args.nosharing_policies.split(",") if p),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4,
                 w4_prefix_sources=tuple(x for x in args.w4_prefix_sources.split(",") if x))
-    return s
+    return with_w4_prefix(s, args.w4_prefix_tokens, args.w4_kv_mb)
+
+
+def with_w4_prefix(s: Settings, prefix_tokens: int, kv_mb: int | None) -> Settings:
+    """W4 with prefixes of ``prefix_tokens``: the KV cache holds 3 of the 8 prefixes unless ``kv_mb`` says otherwise,
+    and the model's context grows to hold a whole W4 request."""
+    kv_mb = kv_mb if kv_mb is not None else math.ceil(3 * prefix_tokens * s.kv_bytes_per_token / 2**20)
+    need = prefix_tokens + s.w4_suffix_tokens + s.w4_max_tokens
+    context = max(s.context, -(-need // 256) * 256)
+    return replace(s, w4_prefix_tokens=prefix_tokens, w4_kv_mb=kv_mb, context=context)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -959,7 +968,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w4-clients", type=int, default=16)
     ap.add_argument("--w4-seconds", type=float, default=60.0, help="closed-loop load per policy")
     ap.add_argument("--w4-warmup", type=float, default=10.0, help="seconds of each W4 run left out of its statistics")
-    ap.add_argument("--w4-kv-mb", type=int, default=12, help="engine.kvCacheMb of the W4 replicas")
+    ap.add_argument("--w4-prefix-tokens", type=int, default=Settings.w4_prefix_tokens,
+                    help="tokens of each shared prefix (the longer, the more a prefill costs against a step)")
+    ap.add_argument("--w4-kv-mb", type=int,
+                    help="engine.kvCacheMb of the W4 replicas (default: 3 of the 8 prefixes, 12 at 1,024 tokens)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--nosharing-policies", default=",".join(NOSHARING_POLICIES))
     ap.add_argument("--w4-nosharing-rounds", type=int, default=Settings.w4_nosharing_rounds,

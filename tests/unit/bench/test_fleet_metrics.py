@@ -99,3 +99,14 @@ def test_w4_pools_a_policys_alternated_runs():
 def test_api_server_timestamps_read_as_unix_seconds_with_or_without_microseconds():
     assert fm.rfc3339_seconds("1970-01-01T00:01:40Z") == 100.0
     assert fm.rfc3339_seconds("1970-01-01T00:01:40.250000Z") == 100.25
+
+
+def test_longer_w4_prefixes_keep_three_of_eight_in_the_cache_and_fit_the_model():
+    from tokenfleet_dev.bench.fleet import Settings, with_w4_prefix
+    default = with_w4_prefix(Settings(), Settings.w4_prefix_tokens, None)
+    assert (default.w4_kv_mb, default.context) == (12, 2048)      # the W4 of docs/routing.md, unchanged
+    longer = with_w4_prefix(Settings(runtime="vllm"), 4096, None)
+    assert longer.w4_kv_mb == 48
+    assert longer.kv_blocks(longer.w4_kv_mb) // (4096 // longer.block_size) == 3
+    assert longer.context >= 4096 + longer.w4_suffix_tokens + longer.w4_max_tokens
+    assert with_w4_prefix(Settings(), 2048, 7).w4_kv_mb == 7
