@@ -341,7 +341,8 @@ class RoutingSpec(ApiModel):
         "for prefix-aware and kv-aware routing. routed: its own record of the prompt blocks it sent each replica, "
         "as large as the replica's KV cache (vllm:cache_config_info), which misses what the replica evicted "
         "early; kvEvents: the replica's own KV-cache events (vLLM's --kv-events-config, published over ZeroMQ "
-        "on port 5557 and followed by the router; a replica that has sent no event yet is routed by the routed "
+        "on port 5557 and followed by the router, which asks the replica's replay socket on port 5558 for batches "
+        "it missed or that came before it followed; a replica that has sent no event yet is routed by the routed "
         "record). Unset: kvEvents. The bundled engine reports its blocks itself "
         "(/cache/blocks), so setting this with runtime tokenfleet is refused.",
     )

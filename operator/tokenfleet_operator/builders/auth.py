@@ -29,6 +29,7 @@ from typing import Any
 from tokenfleet_operator.api import GROUP
 from tokenfleet_operator.api.inference_service import DEFAULT_IMAGE, InferenceServiceSpec
 from tokenfleet_operator.naming import MANAGED_BY, MANAGED_BY_LABEL, ROLE_LABEL, SERVICE_LABEL, SERVING_PORT, child_metadata
+from tokenfleet_operator.runtimes.base import KvEventPorts
 
 REPLICA_KEY_ENV = "TOKENFLEET_API_KEY"          # read by tokenfleet serve (--api-key) and route (--backend-api-key)
 REPLICA_KEY_DATA_KEY = "api-key"
@@ -100,13 +101,14 @@ def replicas_network_policy_name(service: str) -> str:
     return f"{service}-replicas"
 
 
-def replicas_network_policy(owner: dict[str, Any], wiring: Wiring, kv_events_port: int | None = None) -> dict[str, Any]:
+def replicas_network_policy(owner: dict[str, Any], wiring: Wiring, kv_events: KvEventPorts | None = None) -> dict[str, Any]:
     """Only the service's router (and the operator, for /metrics) reach its serving pods; the router also their
-    KV-event publisher, when they have one."""
+    KV-event ports, when they have them."""
     name = owner["metadata"]["name"]
     serving = {SERVICE_LABEL: name, ROLE_LABEL: "serve"}
     port = [{"protocol": "TCP", "port": SERVING_PORT}]
-    router_ports = port + ([{"protocol": "TCP", "port": kv_events_port}] if kv_events_port is not None else [])
+    events = kv_events.container_ports() if kv_events is not None else []
+    router_ports = port + [{"protocol": "TCP", "port": p["containerPort"]} for p in events]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -177,9 +177,9 @@ def serving_container(spec: InferenceServiceSpec, model_dir: str, mounts: list[d
         "env": runtime.env(replica_key_env(service)["valueFrom"]),  # the router's key, from the service's Secret
     }
     resources = spec.resources.to_wire()
-    events_port = runtime.kv_events_port(spec)
-    if events_port is not None and how.leader:
-        container["ports"].append({"name": "kv-events", "containerPort": events_port, "protocol": "TCP"})
+    events = runtime.kv_events(spec)
+    if events is not None and how.leader:
+        container["ports"] += events.container_ports()
     if resources:
         container["resources"] = resources
     if mounts:
@@ -276,9 +276,10 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
 
 
 def kv_events_fields(spec: InferenceServiceSpec) -> dict[str, Any]:
-    """router.json's prefixSource and kvEventsPort: set when the replicas publish KV events to follow."""
-    port = runtime_of(spec).kv_events_port(spec)
-    return {} if port is None else {"prefix_source": "kvEvents", "kv_events_port": port}
+    """router.json's prefixSource and KV-event ports: set when the replicas publish KV events to follow."""
+    events = runtime_of(spec).kv_events(spec)
+    return {} if events is None else {"prefix_source": "kvEvents", "kv_events_port": events.publish,
+                                      "kv_events_replay_port": events.replay}
 
 
 def endpoints_config(pods: list[dict[str, Any]], draining: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -417,7 +418,7 @@ def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
             router_deployment(owner, spec, wiring),
             router_service(owner),
             engines_service(owner),
-            replicas_network_policy(owner, wiring, runtime_of(spec).kv_events_port(spec)),
+            replicas_network_policy(owner, wiring, runtime_of(spec).kv_events(spec)),
         ),
     )
 

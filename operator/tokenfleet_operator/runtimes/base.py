@@ -8,7 +8,8 @@ A runtime (``spec.engine.runtime``) says, from the spec and the few facts the bu
 - ``volumes``: volumes the engine needs besides the model's (vLLM: a memory-backed /dev/shm for NCCL);
 - ``metrics``: where the engine serves Prometheus metrics (the router reads its load from there);
 - ``router_backend``: what the router is told the replicas speak (``tokenfleet route --backend-runtime``);
-- ``kv_events_port``: where a replica publishes the KV-cache events the router follows, if it does;
+- ``kv_events``: where a replica publishes the KV-cache events the router follows, and replays those a router
+  missed, if it does;
 - ``problems``: the fields of the spec the runtime cannot honour, and ``engine.extraArgs`` that collide with a
   flag the operator sets (each a Problem naming the field or the flag);
 - ``reads_model_shape``: whether the operator checks the model's split with the image's ``tokenfleet
@@ -30,6 +31,20 @@ from tokenfleet_operator.validation import Problem
 # Loading weights can take many minutes: a startup probe every 5 s allows 30 of them.
 STARTUP_PERIOD_S = 5
 STARTUP_FAILURES = 360
+
+
+@dataclass(frozen=True)
+class KvEventPorts:
+    """A replica's KV-cache event ports: ``publish`` streams every batch, ``replay`` (if any) sends a router the
+    past batches it asks for (from a sequence number on), so that one that missed some, or started late,
+    catches up."""
+
+    publish: int
+    replay: int | None = None
+
+    def container_ports(self) -> list[dict[str, Any]]:
+        named = [("kv-events", self.publish), ("kv-replay", self.replay)]
+        return [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in named if p is not None]
 
 
 @dataclass(frozen=True)
@@ -122,9 +137,9 @@ class Runtime(abc.ABC):
         """(pod volumes, container mounts) the engine needs besides the model's; none by default."""
         return [], []
 
-    def kv_events_port(self, spec: InferenceServiceSpec) -> int | None:
-        """The port where a replica publishes its KV-cache events for the router to follow, or None when the
-        router learns a replica's prompt blocks another way (``spec.routing.prefixSource``)."""
+    def kv_events(self, spec: InferenceServiceSpec) -> KvEventPorts | None:
+        """Where a replica publishes its KV-cache events for the router to follow, or None when the router
+        learns a replica's prompt blocks another way (``spec.routing.prefixSource``)."""
         return None
 
     @abc.abstractmethod

@@ -25,6 +25,7 @@ from tokenfleet_operator.api.inference_service import InferenceServiceSpec
 from tokenfleet_operator.runtimes.base import (
     STARTUP_FAILURES,
     STARTUP_PERIOD_S,
+    KvEventPorts,
     Launch,
     MetricsEndpoint,
     OwnedFlag,
@@ -35,7 +36,7 @@ from tokenfleet_operator.runtimes.base import (
 )
 from tokenfleet_operator.validation import Problem, runs_bundled_server
 from tokenfleet_serving.contract.pod_env import PodEnv
-from tokenfleet_serving.contract.router_files import DEFAULT_KV_EVENTS_PORT
+from tokenfleet_serving.contract.router_files import DEFAULT_KV_EVENTS_PORT, DEFAULT_KV_EVENTS_REPLAY_PORT
 
 NAME = "vllm"
 API_KEY_ENV = "VLLM_API_KEY"
@@ -60,8 +61,11 @@ REFUSED_FIELDS: frozenset[str] = frozenset({"kv_offload"})
 # False to refuse hostsPerReplica > 1 with a condition, should the vLLM build in use not run it.
 MULTI_HOST = True
 
-# spec.routing.prefixSource kvEvents: vLLM publishes its KV-cache events here (ZeroMQ PUB), the router subscribes
-KV_EVENTS_PORT = DEFAULT_KV_EVENTS_PORT
+# spec.routing.prefixSource kvEvents: vLLM publishes its KV-cache events on the first port (ZeroMQ PUB), which the
+# router subscribes to, and replays the batches a router asks for on the second (ZeroMQ ROUTER; vLLM keeps the
+# last KV_EVENTS_REPLAY_BATCHES of them)
+KV_EVENTS = KvEventPorts(DEFAULT_KV_EVENTS_PORT, DEFAULT_KV_EVENTS_REPLAY_PORT)
+KV_EVENTS_REPLAY_BATCHES = 10_000
 KV_EVENTS_TOPIC = "kv"
 
 # The flags the operator sets (or refuses, because they would change what it set), with the field to set
@@ -171,8 +175,9 @@ class VllmRuntime(Runtime):
         sizes = launch.sizes
         if sizes.world > 1:
             args += ["--tensor-parallel-size", str(sizes.tensor), "--pipeline-parallel-size", str(sizes.pipeline)]
-        if self.kv_events_port(spec) is not None and launch.leader:
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        if self.kv_events(spec) is not None and launch.leader:
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS.publish}",
+                      "replay_endpoint": f"tcp://*:{KV_EVENTS.replay}", "buffer_steps": KV_EVENTS_REPLAY_BATCHES,
                       "topic": KV_EVENTS_TOPIC}
             args.append(f"--kv-events-config={json.dumps(events, separators=(',', ':'), sort_keys=True)}")
         if sizes.hosts > 1:
@@ -184,10 +189,10 @@ class VllmRuntime(Runtime):
         args += list(eng.extra_args or [])
         return args
 
-    def kv_events_port(self, spec: InferenceServiceSpec) -> int | None:
+    def kv_events(self, spec: InferenceServiceSpec) -> KvEventPorts | None:
         # kvEvents unless routed is asked for: measured no worse in W4 (docs/results/runtimes.md), exact where the
         # routed record guesses (evictions, restarts, several router pods each seeing part of the traffic)
-        return None if spec.routing.prefix_source == "routed" else KV_EVENTS_PORT
+        return None if spec.routing.prefix_source == "routed" else KV_EVENTS
 
     def env(self, key_ref: dict[str, Any]) -> list[dict[str, Any]]:
         # The pod runs as a non-root uid on a read-only root filesystem: vLLM's caches (~/.cache/vllm, Triton's

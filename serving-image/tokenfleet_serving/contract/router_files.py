@@ -17,6 +17,8 @@ read them.
      "prefixSource": "routed", "kvEventsPort": 5557,   # optional, vLLM backends: which blocks a replica holds,
                                                # from the router's record of what it sent ("routed") or from
                                                # the replica's KV events ("kvEvents", router/kv_events.py)
+     "kvEventsReplayPort": 5558,               # optional, with kvEvents: where a replica replays the batches
+                                               # a router missed (absent: none are replayed)
      "tiers": [{"name": "small", "model": "llama-1b", "maxPromptTokens": 512, "maxOutputTokens": 256},
                {"name": "large", "model": "llama-70b"}],   # optional difficulty tiers, cheapest first
      "route": {...}}                           # optional: route mode (a TokenRoute's router; route_files.py)
@@ -45,6 +47,7 @@ from tokenfleet_serving.contract.route_files import RouteConfig, parse_route, ro
 POLICIES = ("round-robin", "least-load", "prefix-aware", "kv-aware")
 PREFIX_SOURCES = ("routed", "kvEvents")
 DEFAULT_KV_EVENTS_PORT = 5557
+DEFAULT_KV_EVENTS_REPLAY_PORT = 5558
 DEFAULT_TIER = "default"
 
 
@@ -117,6 +120,7 @@ class RouterConfig:
     route: RouteConfig | None = None  # route mode: a TokenRoute's router over other services' routers (route_files.py)
     prefix_source: str = "routed"   # vLLM backends: "routed" (the router's own record) or "kvEvents"
     kv_events_port: int = DEFAULT_KV_EVENTS_PORT   # where a vLLM replica publishes its KV events
+    kv_events_replay_port: int | None = None       # where it replays past batches on request (None: it does not)
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class _Fields:
 
 ROUTER_KEYS = ("service", "namespace", "models", "policy", "sessionAffinity", "kvBlockSize", "modelPath", "price",
                "slo", "scaleFromZero", "loadFactor", "loadSlack", "kvUsageThreshold", "tiers", "migrationLimit",
-               "noReplicaHoldSeconds", "route", "prefixSource", "kvEventsPort")
+               "noReplicaHoldSeconds", "route", "prefixSource", "kvEventsPort", "kvEventsReplayPort")
 
 
 def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
@@ -251,6 +255,12 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
     prefix_source = f.get("prefixSource", str, "routed")
     if prefix_source not in PREFIX_SOURCES:
         raise f.fail("prefixSource", f"must be one of {', '.join(PREFIX_SOURCES)}, got {prefix_source!r}")
+    events_port = f.integer("kvEventsPort", DEFAULT_KV_EVENTS_PORT, 1, 65535)
+    replay_port = f.optional_integer("kvEventsReplayPort", 1, 65535)
+    if replay_port is not None and prefix_source != "kvEvents":
+        raise f.fail("kvEventsReplayPort", "is read only with prefixSource kvEvents")
+    if replay_port == events_port:
+        raise f.fail("kvEventsReplayPort", f"must differ from kvEventsPort ({events_port})")
     return RouterConfig(
         service=f.get("service", str, "tokenfleet"),
         namespace=f.get("namespace", str, ""),
@@ -282,7 +292,8 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
         no_replica_hold_s=f.number("noReplicaHoldSeconds", 30.0, 0.0, 3600.0),
         route=parse_route(f.sub("route")) if f.obj.get("route") is not None else None,
         prefix_source=prefix_source,
-        kv_events_port=f.integer("kvEventsPort", DEFAULT_KV_EVENTS_PORT, 1, 65535),
+        kv_events_port=events_port,
+        kv_events_replay_port=replay_port,
     )
 
 
@@ -345,6 +356,8 @@ def router_config_json(c: RouterConfig) -> dict[str, Any]:
     }
     if c.prefix_source != "routed" or c.kv_events_port != DEFAULT_KV_EVENTS_PORT:
         out["prefixSource"], out["kvEventsPort"] = c.prefix_source, c.kv_events_port
+    if c.kv_events_replay_port is not None:
+        out["kvEventsReplayPort"] = c.kv_events_replay_port
     if c.scale_from_zero is not None:
         out["scaleFromZero"] = {"maxPendingRequests": c.scale_from_zero.max_pending,
                                 "pendingTimeoutSeconds": c.scale_from_zero.timeout_s}

@@ -216,7 +216,8 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0),
         )
         if self.fleet.uses_kv_events:
-            self.kv_events = Subscriptions(self.config.kv_events_port)
+            self.kv_events = Subscriptions(self.config.kv_events_port,
+                                           replay_port=self.config.kv_events_replay_port)
         self.reload_endpoints()
         if self.route is not None:
             self.route.reload_targets()

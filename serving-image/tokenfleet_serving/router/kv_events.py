@@ -19,9 +19,23 @@ never saw stored, cannot be named that way and is left out, as are blocks of a l
 than the accelerator's) and blocks of another size than the router's ``kvBlockSize`` (logged once).
 
 The record is bounded like ``RoutedBlocks`` (the replica's ``num_gpu_blocks``, least recently stored first), so
-that removals lost in transit (ZeroMQ drops what a subscriber has not yet connected for, and what overflows its
-queue) age out. A sequence number lower than the last one means the replica's engine restarted: the record is
-cleared. A gap is counted, and nothing replayed.
+that removals lost in transit age out. A sequence number lower than the last one means the replica's engine
+restarted: the record is cleared.
+
+**Replay.** ZeroMQ drops what a subscriber was not yet connected for and what overflows its queue, and vLLM
+reports a block once, when it is stored. With ``kvEventsReplayPort`` (vLLM's ``replay_endpoint``, a ROUTER
+socket that keeps the last ``buffer_steps`` batches) the router asks for what it lacks: a request is an empty
+frame and the first sequence number wanted (8 bytes, big-endian); the answer is one ``[topic, seq, batch]``
+per buffered batch from there on, then an end marker with sequence -1. It asks
+
+- once when it starts following a replica, for the whole buffer: a router started after its replicas (a new
+  router pod, a rollout) learns what they hold; the live batches that arrive meanwhile and the replay
+  overlap, and the live ones the replay already gave are dropped;
+- before the first live batch, if that start-up replay found nothing (the replica was not up yet);
+- on a gap or a restart, for the missing batches, before the live one that showed it.
+
+Batches the replica no longer keeps (or a replay that does not answer within ``REPLAY_TIMEOUT_S`` per
+message) stay a counted gap.
 """
 from __future__ import annotations
 
@@ -35,6 +49,8 @@ from tokenfleet_serving.engine.block_pool import adapter_root_hash, hash_prefix_
 from tokenfleet_serving.router.backend_runtime import DEFAULT_RECORDED_BLOCKS, RoutedBlocks
 
 log = logging.getLogger("tokenfleet.router.kv_events")
+
+REPLAY_TIMEOUT_S = 2.0          # the longest wait for one message of a replay
 
 ACCELERATOR_MEDIA = (None, "GPU", "gpu", "cuda")   # vLLM calls its accelerator tier GPU on every device
 # positional fields of the array-like encoding of older vLLM builds (after the tag)
@@ -127,6 +143,7 @@ class EventBlocks(RoutedBlocks):
         self.gaps = 0                           # batches missed (sequence numbers skipped)
         self.unnamed = 0                        # stored blocks the router could not key by its own hash
         self.restarts = 0
+        self.replayed = 0                       # batches applied from a replay
         self._warned_size = False
 
     # ---- the record ----------------------------------------------------------------------------------------
@@ -183,6 +200,14 @@ class EventBlocks(RoutedBlocks):
             self.add((ours,))
             parent = digest
 
+    def catch_up_from(self, seq: int) -> int | None:
+        """The first sequence number to ask a replay for before applying live batch ``seq``, or None when
+        nothing is missing: all of the replica's history when this is the first batch seen or its engine
+        restarted, the skipped ones on a gap."""
+        if self.next_seq is None or seq < self.next_seq:
+            return 0 if seq > 0 else None
+        return self.next_seq if seq > self.next_seq else None
+
     def apply(self, seq: int, events: Sequence[KvEvent]) -> None:
         """Apply one batch with its sequence number."""
         if self.next_seq is not None and seq < self.next_seq:
@@ -208,26 +233,88 @@ class EventBlocks(RoutedBlocks):
                     self._forget(theirs)
 
 
+def _sequence(frames: Sequence[bytes]) -> int:
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise EventFormatError(f"a message must be [topic, seq(8 bytes), batch], got {len(frames)} frames")
+    return int.from_bytes(frames[1], "big", signed=True)
+
+
+async def fetch_replay(address: str, start: int, until: int | None = None,
+                       timeout_s: float = REPLAY_TIMEOUT_S) -> tuple[list[tuple[int, bytes]], bool]:
+    """The batches a replica's replay socket (``tcp://ip:port``) still keeps from sequence ``start`` on, below
+    ``until`` if given: ``([(seq, batch), ...], complete)``; ``complete`` is False when it stopped answering
+    before its end marker (what came is kept). A socket of its own per replay, so that a late answer to one
+    that timed out cannot mix with the next."""
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)              # a whole buffer may come at once: queue it, drop none
+    sock.connect(address)
+    batches: list[tuple[int, bytes]] = []
+    try:
+        await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        while await sock.poll(timeout_s * 1000):
+            frames = await sock.recv_multipart()
+            seq = _sequence(frames[1:] if frames and frames[0] == b"" else frames)
+            if seq < 0:
+                return batches, True
+            if seq >= start and (until is None or seq < until):
+                batches.append((seq, frames[-1]))
+        return batches, False
+    finally:
+        sock.close(linger=0)
+
+
+async def catch_up(address: str, blocks: EventBlocks, start: int, until: int | None = None) -> None:
+    """Apply what the replica replays from ``start`` (below ``until``) to its record."""
+    batches, complete = await fetch_replay(address, start, until)
+    if not complete:
+        log.info("backend %s: its KV-event replay (%s) stopped answering after %d batch(es)", blocks.name,
+                 address, len(batches))
+    if batches and blocks.next_seq is None:
+        blocks.gaps += batches[0][0] - start    # history the replica no longer keeps
+    for seq, payload in batches:
+        try:
+            events = decode_batch(payload)
+        except EventFormatError as exc:
+            log.warning("backend %s: an unreadable replayed KV-event batch %d: %s", blocks.name, seq, exc)
+            continue
+        blocks.apply(seq, events)
+        blocks.replayed += 1
+
+
 async def follow(address: str, blocks: EventBlocks, topic: bytes = b"",
-                 on_error: Callable[[str], None] | None = None) -> None:
-    """Subscribe to one replica's publisher (``tcp://ip:port``) and apply its batches until cancelled. ZeroMQ
-    connects (and reconnects) in the background, so a replica that is not publishing yet is no error."""
+                 on_error: Callable[[str], None] | None = None, replay_address: str | None = None) -> None:
+    """Subscribe to one replica's publisher (``tcp://ip:port``) and apply its batches until cancelled, asking
+    its replay socket for what is missing (module doc). ZeroMQ connects (and reconnects) in the background, so
+    a replica that is not publishing yet is no error."""
     import zmq
     import zmq.asyncio
 
     sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, topic)
-    sock.connect(address)
+    sock.connect(address)                       # first, so that what is published during the replay queues here
     bad = 0
+    snapshot: int | None = None                 # live batches below this one came with the start-up replay
     try:
+        if replay_address is not None:
+            await catch_up(replay_address, blocks, 0)
+            snapshot = blocks.next_seq
         while True:
             frames = await sock.recv_multipart()
             try:
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    raise EventFormatError(f"a message must be [topic, seq(8 bytes), batch], got {len(frames)} "
-                                           "frames")
-                blocks.apply(int.from_bytes(frames[1], "big", signed=True), decode_batch(frames[2]))
+                seq = _sequence(frames)
+                if snapshot is not None and seq < snapshot:
+                    continue
+                snapshot = None
+                events = decode_batch(frames[2])
+                start = blocks.catch_up_from(seq) if replay_address is not None else None
+                if start is not None:
+                    await catch_up(replay_address, blocks, start, seq)
+                blocks.apply(seq, events)
             except EventFormatError as exc:
                 bad += 1
                 if bad == 1 or bad % 1000 == 0:
@@ -242,8 +329,9 @@ async def follow(address: str, blocks: EventBlocks, topic: bytes = b"",
 class Subscriptions:
     """One ``follow`` task per backend, started and cancelled as the endpoint list changes."""
 
-    def __init__(self, port: int, topic: str = ""):
+    def __init__(self, port: int, topic: str = "", replay_port: int | None = None):
         self.port = port
+        self.replay_port = replay_port
         self.topic = topic.encode()
         self.tasks: dict[int, tuple[asyncio.Task, EventBlocks]] = {}
 
@@ -256,7 +344,9 @@ class Subscriptions:
         for key, (_name, ip, blocks) in wanted.items():
             if key not in self.tasks:
                 host = f"[{ip}]" if ":" in ip else ip
-                task = asyncio.ensure_future(follow(f"tcp://{host}:{self.port}", blocks, self.topic))
+                replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
+                task = asyncio.ensure_future(follow(f"tcp://{host}:{self.port}", blocks, self.topic,
+                                                    replay_address=replay))
                 self.tasks[key] = (task, blocks)
 
     async def close(self) -> None:

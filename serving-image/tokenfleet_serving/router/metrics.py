@@ -30,6 +30,8 @@ are computed from the fleet state at scrape time.
   router knows them: polled, recorded as routed, or from KV events) |
 | ``tokenfleet_router_kv_event_batches_total{backend}`` | counter | KV-event batches applied (prefixSource kvEvents) |
 | ``tokenfleet_router_kv_event_batches_missed_total{backend}`` | counter | batches skipped in the sequence (lost) |
+| ``tokenfleet_router_kv_event_batches_replayed_total{backend}`` | counter | of those, batches the replica replayed on |
+  request (missed or from before the router followed it) |
 | ``tokenfleet_router_kv_event_blocks_unnamed_total{backend}`` | counter | stored blocks the router could not key by |
   its own hash (kv_events.py says which) |
 | ``tokenfleet_router_generation_tokens_per_second`` | gauge | summed rate of the backends' ``vllm:generation_tokens_total`` over 60 s |
@@ -185,6 +187,9 @@ class _FleetCollector:
                                                labels=["backend"]),
                 "missed": CounterMetricFamily("tokenfleet_router_kv_event_batches_missed",
                                               "KV-event batches skipped in the sequence.", labels=["backend"]),
+                "replayed": CounterMetricFamily("tokenfleet_router_kv_event_batches_replayed",
+                                                "KV-event batches applied from the replica's replay socket.",
+                                                labels=["backend"]),
                 "unnamed": CounterMetricFamily("tokenfleet_router_kv_event_blocks_unnamed",
                                                "Stored blocks the router could not key by its own hash.",
                                                labels=["backend"]),
@@ -193,6 +198,7 @@ class _FleetCollector:
                 assert b.events is not None
                 events["batches"].add_metric([b.name], b.events.batches)
                 events["missed"].add_metric([b.name], b.events.gaps)
+                events["replayed"].add_metric([b.name], b.events.replayed)
                 events["unnamed"].add_metric([b.name], b.events.unnamed)
             yield from events.values()
         yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())

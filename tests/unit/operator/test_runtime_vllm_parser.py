@@ -101,6 +101,7 @@ def test_vllm_parses_the_command_lines_to_the_specs_values(vllm_reads):
     assert (leader["node_rank"], leader["headless"]) == (0, False)
     # the leader's engine core publishes the KV events the router follows (prefixSource kvEvents)
     assert "tcp://*:5557" in leader["kv_events"] and "enable_kv_cache_events=True" in leader["kv_events"]
+    assert "replay_endpoint='tcp://*:5558'" in leader["kv_events"] and "buffer_steps=10000" in leader["kv_events"]
     assert worker["kv_events"] is None
     assert (worker["node_rank"], worker["headless"]) == (1, True)
 

@@ -60,7 +60,8 @@ def test_vllm_serve_is_built_from_every_engine_field():
         "--quantization", "fp8",
         '--speculative-config={"method":"ngram","num_speculative_tokens":3}',
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        '--kv-events-config={"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","topic":"kv"}',
+        '--kv-events-config={"buffer_steps":10000,"enable_kv_cache_events":true,"endpoint":"tcp://*:5557",'
+            '"publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv"}',
         "--enforce-eager"]
     assert leader["image"] == VLLM_IMAGE
 
@@ -199,10 +200,12 @@ def test_kv_events_as_the_prefix_source_reach_vllm_the_router_and_the_network_po
         [flag] = flags
         config = json.loads(flag.split("=", 1)[1])
         assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
-                          "topic": "kv"}
+                          "replay_endpoint": "tcp://*:5558", "buffer_steps": 10000, "topic": "kv"}
         assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in leader["ports"]
-        assert (router_json["prefixSource"], router_json["kvEventsPort"]) == ("kvEvents", 5557)
-        assert router_ports == [8000, 5557]
+        assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in leader["ports"]
+        assert (router_json["prefixSource"], router_json["kvEventsPort"], router_json["kvEventsReplayPort"]) == \
+            ("kvEvents", 5557, 5558)
+        assert router_ports == [8000, 5557, 5558]
 
 
 @pytest.mark.parametrize("source", ["routed", "kvEvents"])

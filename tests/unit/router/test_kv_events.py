@@ -13,7 +13,7 @@ import zmq
 
 from tokenfleet_serving.contract.router_files import ConfigError, Endpoint, parse_router_config, router_config_json
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
-from tokenfleet_serving.router.kv_events import EventBlocks, EventFormatError, decode_batch, follow
+from tokenfleet_serving.router.kv_events import EventBlocks, EventFormatError, decode_batch, fetch_replay, follow
 from tokenfleet_serving.router.main import main as route_main
 from tokenfleet_serving.router.policy import PolicyParams, RouteRequest, choose
 from tokenfleet_serving.router.prefix import block_hashes
@@ -152,6 +152,144 @@ def test_the_subscription_follows_a_publisher_over_zeromq():
     assert list(blocks) == list(block_hashes(PROMPT[:12], BS))
 
 
+def test_what_to_ask_a_replay_for_before_a_live_batch():
+    blocks = EventBlocks(BS)
+    assert blocks.catch_up_from(0) is None          # the replica's first batch: nothing came before it
+    assert blocks.catch_up_from(7) == 0             # followed late: its whole history
+    blocks.apply(7, [])
+    assert blocks.catch_up_from(8) is None
+    assert blocks.catch_up_from(11) == 8            # a gap: the skipped batches
+    assert blocks.catch_up_from(3) == 0             # its engine restarted: the new engine's history
+
+
+class ReplayingPublisher:
+    """vLLM's ZmqEventPublisher on the wire: [topic, seq, batch] on a PUB socket, and on a ROUTER socket, for a
+    request [empty, seq], every kept batch from seq on as [empty, topic, seq, batch], then [empty, "", -1, ""].
+    ``answer`` False: requests are read and left unanswered (a replica whose replay hangs)."""
+
+    def __init__(self, keep: int = 1000):
+        import zmq.asyncio
+        self.ctx = zmq.asyncio.Context.instance()
+        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.kept: list[tuple[int, bytes]] = []
+        self.keep = keep
+        self.seq = 0
+        self.answer = True
+        self.requests: list[int] = []
+        self.task = asyncio.ensure_future(self.serve())
+
+    async def publish(self, payload: bytes, *, send: bool = True) -> None:
+        self.kept = (self.kept + [(self.seq, payload)])[-self.keep:]
+        if send:
+            await self.pub.send_multipart([b"kv", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    async def serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            if not self.answer:
+                continue
+            for seq, payload in self.kept:
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+async def until(check, seconds: float = 30.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+
+
+def test_a_router_that_follows_late_learns_the_replicas_history_by_replay_and_fills_a_gap():
+    """The replica stored the prompt's first blocks before the router followed it; its next batch is lost on
+    the way (sent to nobody). The start-up replay gives the history, the gap is asked for before the live
+    batch that shows it, and the live batches the start-up replay already gave are not applied twice."""
+    async def scenario():
+        pub = ReplayingPublisher()
+        try:
+            await pub.publish(batch(stored([1, 2], None, PROMPT[:8])))          # before the router followed
+            blocks = EventBlocks(BS, name="r0")
+            task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{pub.pub_port}", blocks,
+                                                replay_address=f"tcp://127.0.0.1:{pub.replay_port}"))
+            await until(lambda: len(blocks) == 2)
+            history = (len(blocks), blocks.replayed, list(pub.requests))
+            while blocks.batches == 1:                  # a SUB socket gets nothing sent before it connected
+                await pub.publish(batch())
+                await asyncio.sleep(0.05)
+            lost = pub.seq
+            await pub.publish(batch(stored([3], 2, PROMPT[8:12])), send=False)  # lost on the way
+            await pub.publish(batch(stored([4], 3, PROMPT[12:16])))
+            await until(lambda: len(blocks) == 4)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return blocks, history, pub.requests, lost
+        finally:
+            await pub.close()
+
+    blocks, history, requests, lost = asyncio.run(scenario())
+    assert history == (2, 1, [0])
+    assert requests == [0, lost]                    # the start-up replay, then the gap from the lost batch on
+    assert list(blocks) == list(block_hashes(PROMPT[:16], BS))
+    assert (blocks.replayed, blocks.gaps, blocks.next_seq) == (2, 0, lost + 2)
+
+
+def test_a_replay_that_does_not_answer_leaves_a_counted_gap_and_following_goes_on(monkeypatch):
+    monkeypatch.setattr("tokenfleet_serving.router.kv_events.REPLAY_TIMEOUT_S", 0.2)
+
+    async def scenario():
+        pub = ReplayingPublisher()
+        pub.answer = False
+        try:
+            blocks = EventBlocks(BS, name="r0")
+            task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{pub.pub_port}", blocks,
+                                                replay_address=f"tcp://127.0.0.1:{pub.replay_port}"))
+            while blocks.batches == 0:                  # connected (the start-up replay timed out first)
+                await pub.publish(batch(stored([1], None, PROMPT[:4])))
+                await asyncio.sleep(0.05)
+            applied = blocks.batches
+            await pub.publish(batch(stored([2], 1, PROMPT[4:8])), send=False)
+            await pub.publish(batch(stored([3], None, PROMPT[:4])))
+            await until(lambda: blocks.batches == applied + 1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return blocks
+        finally:
+            await pub.close()
+
+    blocks = asyncio.run(scenario())
+    assert (blocks.replayed, blocks.gaps) == (0, 1)
+    assert len(blocks) == 1
+
+
+def test_a_replay_keeps_only_the_batches_asked_for_and_says_when_it_was_cut_short():
+    async def scenario():
+        pub = ReplayingPublisher(keep=3)
+        try:
+            for _ in range(5):
+                await pub.publish(batch(), send=False)
+            kept = await fetch_replay(f"tcp://127.0.0.1:{pub.replay_port}", 0, until=4)
+            pub.answer = False
+            cut = await fetch_replay(f"tcp://127.0.0.1:{pub.replay_port}", 0, timeout_s=0.2)
+            return kept, cut
+        finally:
+            await pub.close()
+
+    (kept, complete), (cut, cut_complete) = asyncio.run(scenario())
+    assert [seq for seq, _ in kept] == [2, 3] and complete
+    assert cut == [] and not cut_complete
+
+
 def test_prefix_aware_routing_reads_the_event_record():
     config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents"})
     fleet = Fleet(config, runtime=RUNTIME[VLLM])
@@ -176,8 +314,13 @@ def test_prefix_aware_routing_reads_the_event_record():
 
 
 def test_the_config_round_trips_and_refuses_an_unknown_source_and_the_bundled_runtime(tmp_path, capsys):
-    config = parse_router_config({"prefixSource": "kvEvents", "kvEventsPort": 6000})
+    config = parse_router_config({"prefixSource": "kvEvents", "kvEventsPort": 6000, "kvEventsReplayPort": 6001})
     assert parse_router_config(router_config_json(config)) == config
+    assert config.kv_events_replay_port == 6001
+    with pytest.raises(ConfigError, match="kvEventsReplayPort"):
+        parse_router_config({"kvEventsReplayPort": 6001})                   # routed: nothing to replay
+    with pytest.raises(ConfigError, match="kvEventsReplayPort"):
+        parse_router_config({"prefixSource": "kvEvents", "kvEventsPort": 6000, "kvEventsReplayPort": 6000})
     assert "prefixSource" not in router_config_json(parse_router_config({}))
     with pytest.raises(ConfigError, match="prefixSource"):
         parse_router_config({"prefixSource": "events"})
