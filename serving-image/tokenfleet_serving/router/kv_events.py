@@ -51,6 +51,7 @@ from tokenfleet_serving.router.backend_runtime import DEFAULT_RECORDED_BLOCKS, R
 log = logging.getLogger("tokenfleet.router.kv_events")
 
 REPLAY_TIMEOUT_S = 2.0          # the longest wait for one message of a replay
+REPLAY_YIELD_BATCHES = 64       # replayed batches applied between two turns of the event loop
 
 ACCELERATOR_MEDIA = (None, "GPU", "gpu", "cuda")   # vLLM calls its accelerator tier GPU on every device
 # positional fields of the array-like encoding of older vLLM builds (after the tag)
@@ -275,7 +276,9 @@ async def catch_up(address: str, blocks: EventBlocks, start: int, until: int | N
                  address, len(batches))
     if batches and blocks.next_seq is None:
         blocks.gaps += batches[0][0] - start    # history the replica no longer keeps
-    for seq, payload in batches:
+    for i, (seq, payload) in enumerate(batches):
+        if i % REPLAY_YIELD_BATCHES == REPLAY_YIELD_BATCHES - 1:
+            await asyncio.sleep(0)              # a whole buffer is thousands of batches: let requests be routed
         try:
             events = decode_batch(payload)
         except EventFormatError as exc:

@@ -13,7 +13,15 @@ import zmq
 
 from tokenfleet_serving.contract.router_files import ConfigError, Endpoint, parse_router_config, router_config_json
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
-from tokenfleet_serving.router.kv_events import EventBlocks, EventFormatError, decode_batch, fetch_replay, follow
+from tokenfleet_serving.router.kv_events import (
+    REPLAY_YIELD_BATCHES,
+    EventBlocks,
+    EventFormatError,
+    catch_up,
+    decode_batch,
+    fetch_replay,
+    follow,
+)
 from tokenfleet_serving.router.main import main as route_main
 from tokenfleet_serving.router.policy import PolicyParams, RouteRequest, choose
 from tokenfleet_serving.router.prefix import block_hashes
@@ -270,6 +278,39 @@ def test_a_replay_that_does_not_answer_leaves_a_counted_gap_and_following_goes_o
     blocks = asyncio.run(scenario())
     assert (blocks.replayed, blocks.gaps) == (0, 1)
     assert len(blocks) == 1
+
+
+def test_applying_a_long_replay_lets_the_event_loop_route_in_between():
+    """A replica's whole buffer (thousands of batches) is applied in slices, with the event loop's other work
+    (routing requests) run between them, not in one block."""
+    async def scenario():
+        pub = ReplayingPublisher()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        try:
+            for _ in range(600):
+                await pub.publish(batch(), send=False)
+            blocks = EventBlocks(BS, name="r0")
+            seen: list[int] = []
+            apply = blocks.apply
+            blocks.apply = lambda seq, events: (seen.append(ticks), apply(seq, events))[1]    # type: ignore
+            tick = asyncio.ensure_future(ticker())
+            await catch_up(f"tcp://127.0.0.1:{pub.replay_port}", blocks, 0)
+            tick.cancel()
+            await asyncio.gather(tick, return_exceptions=True)
+            return blocks, seen
+        finally:
+            await pub.close()
+
+    blocks, seen = asyncio.run(scenario())
+    assert blocks.replayed == 600 and len(seen) == 600
+    assert len(set(seen)) >= 600 // REPLAY_YIELD_BATCHES     # other tasks ran between the slices
 
 
 def test_a_replay_keeps_only_the_batches_asked_for_and_says_when_it_was_cut_short():
