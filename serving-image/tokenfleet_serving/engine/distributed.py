@@ -283,6 +283,36 @@ class ProcessGroup:
                 pass
 
 
+def _listen_on(host: str, port: int) -> int | None:
+    """A listening socket's descriptor on ``host``'s own address (not every address of the machine), or None
+    where ``host`` is no address this machine can bind (a Service's virtual IP, a wildcard)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return None
+    if address[0] in ("0.0.0.0", "::"):
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(256)
+    except OSError:
+        sock.close()
+        return None
+    return sock.detach()                        # the store owns it from here
+
+
+def rendezvous_store(config: ParallelConfig, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's key-value store, served by rank 0 on the leader's address alone. torch's own server listens on
+    every address of the machine, so two leaders that share a network namespace (pods of the local pod runner,
+    hostNetwork pods) would take each other's port; bound to its own address each has it. Where rank 0 cannot
+    bind that address, torch's server listens as it would."""
+    fd = _listen_on(config.master_addr, config.master_port) if rank == 0 else None
+    return dist.TCPStore(config.master_addr, config.master_port, config.world_size, rank == 0, timeout,
+                         multi_tenant=True, master_listen_fd=fd)
+
+
 def join(config: ParallelConfig, rank: int, device: torch.device) -> ProcessGroup:
     """Join the replica's group as ``rank``, within ``config.timeout_s``; RankFailure naming the rank and the
     leader's address when it cannot."""
@@ -309,7 +339,7 @@ def join(config: ParallelConfig, rank: int, device: torch.device) -> ProcessGrou
 
     threading.Thread(target=watchdog, name="join-watchdog", daemon=True).start()
     try:
-        dist.init_process_group(backend_for(device), init_method=f"tcp://{config.address}", rank=rank,
+        dist.init_process_group(backend_for(device), store=rendezvous_store(config, rank, timeout), rank=rank,
                                 world_size=config.world_size, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - store timeouts and connection errors have many types
         raise RankFailure(f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

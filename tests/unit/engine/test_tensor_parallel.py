@@ -372,3 +372,24 @@ def test_a_leader_whose_members_never_join_fails_in_bounded_time_naming_its_addr
                                           f"127.0.0.1:{port} within 2s"):
         open_engine(checkpoints["llama"], 2, parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=2))
     assert time.monotonic() - started < 2 + 20
+
+
+def test_two_leaders_on_one_host_each_serve_their_group_on_their_own_address(checkpoints):
+    """Pods of the local pod runner share the host's network: another leader listening on its own address at the
+    same port must not keep this one from forming its group (torch's server alone listens on every address)."""
+    import socket
+
+    port = free_port()
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.bind(("127.0.0.2", port))
+    other.listen(1)
+    try:
+        engine = open_engine(checkpoints["llama"], 2, threads=1, kv_cache_bytes=4 << 20,
+                             parallel=ParallelConfig(2, master_addr="127.0.0.3", master_port=port, timeout_s=30))
+        try:
+            assert engine.generate([[1, 2, 3]])
+        finally:
+            engine.close()
+    finally:
+        other.close()
