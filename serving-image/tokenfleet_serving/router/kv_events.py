@@ -244,8 +244,8 @@ async def fetch_replay(address: str, start: int, until: int | None = None,
                        timeout_s: float = REPLAY_TIMEOUT_S) -> tuple[list[tuple[int, bytes]], bool]:
     """The batches a replica's replay socket (``tcp://ip:port``) still keeps from sequence ``start`` on, below
     ``until`` if given: ``([(seq, batch), ...], complete)``; ``complete`` is False when it stopped answering
-    before its end marker (what came is kept). A socket of its own per replay, so that a late answer to one
-    that timed out cannot mix with the next."""
+    before its end marker, or sent something that is not a batch (what came before is kept). A socket of its
+    own per replay, so that a late answer to one that timed out cannot mix with the next."""
     import zmq
     import zmq.asyncio
 
@@ -258,7 +258,11 @@ async def fetch_replay(address: str, start: int, until: int | None = None,
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
         while await sock.poll(timeout_s * 1000):
             frames = await sock.recv_multipart()
-            seq = _sequence(frames[1:] if frames and frames[0] == b"" else frames)
+            try:
+                seq = _sequence(frames[1:] if frames and frames[0] == b"" else frames)
+            except EventFormatError as exc:
+                log.warning("a KV-event replay from %s sent a message that is not a batch: %s", address, exc)
+                return batches, False
             if seq < 0:
                 return batches, True
             if seq >= start and (until is None or seq < until):

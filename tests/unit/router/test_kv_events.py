@@ -219,6 +219,16 @@ async def until(check, seconds: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def publish_until(pub: ReplayingPublisher, payload: bytes, check, seconds: float = 30.0) -> None:
+    """Publish ``payload`` again and again until ``check()`` (a SUB socket gets nothing sent before it connected)."""
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return
+        await pub.publish(payload)
+        await asyncio.sleep(0.05)
+    raise AssertionError("the subscription never applied a batch")
+
+
 def test_a_router_that_follows_late_learns_the_replicas_history_by_replay_and_fills_a_gap():
     """The replica stored the prompt's first blocks before the router followed it; its next batch is lost on
     the way (sent to nobody). The start-up replay gives the history, the gap is asked for before the live
@@ -232,9 +242,7 @@ def test_a_router_that_follows_late_learns_the_replicas_history_by_replay_and_fi
                                                 replay_address=f"tcp://127.0.0.1:{pub.replay_port}"))
             await until(lambda: len(blocks) == 2)
             history = (len(blocks), blocks.replayed, list(pub.requests))
-            while blocks.batches == 1:                  # a SUB socket gets nothing sent before it connected
-                await pub.publish(batch())
-                await asyncio.sleep(0.05)
+            await publish_until(pub, batch(), lambda: blocks.batches > 1)   # a SUB socket gets nothing sent
             lost = pub.seq
             await pub.publish(batch(stored([3], 2, PROMPT[8:12])), send=False)  # lost on the way
             await pub.publish(batch(stored([4], 3, PROMPT[12:16])))
@@ -262,9 +270,8 @@ def test_a_replay_that_does_not_answer_leaves_a_counted_gap_and_following_goes_o
             blocks = EventBlocks(BS, name="r0")
             task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{pub.pub_port}", blocks,
                                                 replay_address=f"tcp://127.0.0.1:{pub.replay_port}"))
-            while blocks.batches == 0:                  # connected (the start-up replay timed out first)
-                await pub.publish(batch(stored([1], None, PROMPT[:4])))
-                await asyncio.sleep(0.05)
+            # connected (the start-up replay timed out first)
+            await publish_until(pub, batch(stored([1], None, PROMPT[:4])), lambda: blocks.batches > 0)
             applied = blocks.batches
             await pub.publish(batch(stored([2], 1, PROMPT[4:8])), send=False)
             await pub.publish(batch(stored([3], None, PROMPT[:4])))
@@ -329,6 +336,33 @@ def test_a_replay_keeps_only_the_batches_asked_for_and_says_when_it_was_cut_shor
     (kept, complete), (cut, cut_complete) = asyncio.run(scenario())
     assert [seq for seq, _ in kept] == [2, 3] and complete
     assert cut == [] and not cut_complete
+
+
+def test_a_replay_that_sends_garbage_is_cut_short_and_following_goes_on():
+    async def scenario():
+        pub = ReplayingPublisher()
+        pub.answer = False
+        blocks = EventBlocks(BS, name="r0")
+
+        async def garbage():
+            client, _, _ = await pub.router.recv_multipart()
+            await pub.router.send_multipart([client, b"", b"kv", b"short", b"x"])
+
+        pub.task.cancel()
+        answer = asyncio.ensure_future(garbage())
+        task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{pub.pub_port}", blocks,
+                                            replay_address=f"tcp://127.0.0.1:{pub.replay_port}"))
+        try:
+            await asyncio.wait_for(answer, 30)
+            await publish_until(pub, batch(stored([1], None, PROMPT[:4])), lambda: blocks.batches or task.done())
+            return blocks, task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pub.close()
+
+    blocks, ended = asyncio.run(scenario())
+    assert not ended and blocks.replayed == 0 and len(blocks) == 1
 
 
 def test_prefix_aware_routing_reads_the_event_record():
