@@ -929,7 +929,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 nosharing_policies=tuple(p for p in args.nosharing_policies.split(",") if p),
                 skip_autoscale=args.skip_autoscale, skip_w4=args.skip_w4,
                 w4_prefix_sources=tuple(x for x in args.w4_prefix_sources.split(",") if x))
+    s = with_model(s, args.model_layers, args.model_hidden)
     return with_w4_prefix(s, args.w4_prefix_tokens, args.w4_kv_mb)
+
+
+def with_model(s: Settings, layers: int, hidden: int) -> Settings:
+    """The bench's random-weight Llama with ``layers`` layers of width ``hidden``: heads of 32 dims, half as many KV
+    heads, an MLP three times as wide. A wider or deeper model makes a prefill cost more against the engine's
+    per-request and per-step work, as a real model's does."""
+    if hidden % 64:
+        raise SystemExit(f"--model-hidden {hidden}: must be a multiple of 64 (heads of 32, half as many KV heads)")
+    heads = hidden // 32
+    return replace(s, layers=layers, hidden=hidden, heads=heads, kv_heads=heads // 2, intermediate=3 * hidden)
 
 
 def with_w4_prefix(s: Settings, prefix_tokens: int, kv_mb: int | None) -> Settings:
@@ -964,6 +975,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-to-zero-after", type=int, default=20)
     ap.add_argument("--collect-seconds", type=float, default=2.0, help="the operator's --collect-seconds")
     ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--model-layers", type=int, default=Settings.layers, help="layers of the random-weight model")
+    ap.add_argument("--model-hidden", type=int, default=Settings.hidden,
+                    help="its width (heads of 32 dims, half as many KV heads, MLP 3x as wide)")
     ap.add_argument("--w4-replicas", type=int, default=4)
     ap.add_argument("--w4-clients", type=int, default=16)
     ap.add_argument("--w4-seconds", type=float, default=60.0, help="closed-loop load per policy")

@@ -110,3 +110,15 @@ def test_longer_w4_prefixes_keep_three_of_eight_in_the_cache_and_fit_the_model()
     assert longer.kv_blocks(longer.w4_kv_mb) // (4096 // longer.block_size) == 3
     assert longer.context >= 4096 + longer.w4_suffix_tokens + longer.w4_max_tokens
     assert with_w4_prefix(Settings(), 2048, 7).w4_kv_mb == 7
+
+
+def test_a_larger_bench_model_keeps_the_default_shape_and_three_of_eight_prefixes():
+    from tokenfleet_dev.bench.fleet import Settings, with_model, with_w4_prefix
+    default = with_model(Settings(), Settings.layers, Settings.hidden)
+    assert (default.heads, default.kv_heads, default.intermediate) == (8, 4, 768)    # the model the docs describe
+    wide = with_w4_prefix(with_model(Settings(runtime="vllm"), 8, 512), 1024, None)
+    assert (wide.heads, wide.kv_heads, wide.intermediate) == (16, 8, 1536)
+    assert wide.kv_bytes_per_token == 4 * default.kv_bytes_per_token     # twice the layers, twice the KV heads
+    assert wide.kv_blocks(wide.w4_kv_mb) // (1024 // wide.block_size) == 3
+    with pytest.raises(SystemExit, match="--model-hidden 300"):
+        with_model(Settings(), 4, 300)
