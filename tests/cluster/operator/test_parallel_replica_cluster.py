@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness.operator_cluster import Operator, apply, condition, get_json, install, isvc, isvc_obj, names, ready_with, wait_for
+from harness.processes import argv, cpu_seconds, pids, process_tree
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -64,38 +65,14 @@ def complete(url, prompt, max_tokens=8, timeout=180):
 
 
 # ---- local processes of a pod: the runner binds the server to the pod IP; its ranks are its descendants ----
-def _stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()          # fields from the state on (comm may hold spaces)
-
-
 def server_pid(pod_ip: str) -> int | None:
     """The `tokenfleet serve` process of a pod: the runner rewrote its --host 0.0.0.0 to the pod's IP (a
     member's argv also holds the leader's IP, as --master-addr)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "serve" in argv and "--host" in argv and argv[argv.index("--host") + 1] == pod_ip:
-            return int(entry.name)
+    for pid in pids():
+        args = argv(pid)
+        if "serve" in args and "--host" in args and args[args.index("--host") + 1] == pod_ip:
+            return pid
     return None
-
-
-def process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))):
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 def cpu_group(pid: int) -> str:
@@ -119,16 +96,6 @@ def quota_cores(group: str) -> float | None:
         quota, period = v2.read_text().split()
         return None if quota == "max" else int(quota) / int(period)
     return None
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        fields = _stat(pid)
-        if fields:
-            total += (int(fields[11]) + int(fields[12])) / tick      # utime + stime
-    return total
 
 
 def test_a_two_host_replica_is_ready_serves_through_the_router_and_every_member_computes(

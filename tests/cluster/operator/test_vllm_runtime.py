@@ -7,6 +7,9 @@ answers the official openai client streamed and not, scales 1 -> 2 under load th
 keeps a stream going when the replica serving it is SIGKILLed, scales back 2 -> 1 with the removed replica
 drained, with no request lost, and reports status.cost and status.goodput. Its router follows the replicas' KV
 events (routing.prefixSource kvEvents, vLLM's default): each replica publishes on port 5557 of its own pod IP.
+
+A second service has one replica over two hosts: the Slice's two member pods run vLLM's multi-node mode
+(``--nnodes 2``, the leader by its name in the Slice's headless Service), and both compute every answer.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.operator_cluster import Operator, apply, condition, get_json, install, names, wait_for
+from harness.operator_cluster import Operator, apply, condition, get_json, install, isvc, names, ready_with, wait_for
+from harness.processes import argv, cpu_seconds, pids, process_tree
 from harness.router import stream_events
 from harness.vllm import create_vllm_checkpoint, require_venv
 
@@ -188,3 +192,57 @@ def _backends(base: str) -> list[str]:
     return [k.split("backend=")[1].rstrip("}") for k in metric_samples(base)
             if k.startswith("tokenfleet_router_backend_load{")]
 
+
+
+def multi_node_vllm_processes() -> dict[str, list[int]]:
+    """The `vllm serve --nnodes ...` processes by role (``leader``, ``headless``), each with its descendants
+    (vLLM's engine core and worker)."""
+    roles: dict[str, list[int]] = {}
+    for pid in pids():
+        args = argv(pid)
+        if "vllm serve" in " ".join(args) and "--nnodes" in args:
+            roles.setdefault("headless" if "--headless" in args else "leader", []).extend(process_tree(pid))
+    return roles
+
+
+def test_a_two_host_vllm_replica_runs_vllms_multi_node_mode_and_both_members_compute(cluster, namespace, vllm_model,
+                                                                                    tmp_path):
+    import openai
+
+    install(cluster)
+    op = Operator(cluster, namespace, tmp_path / "operator.log", router_image="tokenfleet/serving:0.1.0").start()
+    try:
+        # one replica, two hosts of one accelerator each: tensor parallel over both (the model has 4 heads)
+        apply(cluster, isvc("vtp", model={"path": str(vllm_model), "servedModelNames": ["tiny"]}, replicas=1,
+                            image="vllm/vllm-openai:v0.32.0",
+                            engine={"runtime": "vllm", "dtype": "float32", "maxModelLen": 1024, "kvBlockSize": 32,
+                                    "maxNumSeqs": 4, "kvCacheMb": 16, "extraArgs": ["--enforce-eager"]}), namespace)
+        obj = wait_for("the two-host vLLM replica Ready", lambda: ready_with(cluster, namespace, "vtp", 1), 600, op)
+        assert obj["status"]["cost"]["dollarsPerHour"] == 2 * 2.0 + 0.5           # both accelerators billed
+        members = {p["metadata"]["labels"]["tokenfleet.dev/leader"]: p for p in
+                   (get_json(cluster, "pods", "-n", namespace, "-l", "tokenfleet.dev/slice=vtp-0") or {})["items"]}
+        assert sorted(members) == ["false", "true"]
+        for pod in members.values():
+            command = pod["spec"]["containers"][0]["command"]
+            assert command[command.index("--nnodes") + 1] == "2"
+            assert command[command.index("--tensor-parallel-size") + 1] == "2"
+        assert "--headless" in members["false"]["spec"]["containers"][0]["command"]
+        processes = multi_node_vllm_processes()
+        assert sorted(processes) == ["headless", "leader"], processes
+
+        base = wait_for("a ready router", lambda: router_url(cluster, namespace), 120, op)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": PROMPT}]
+        before = {role: cpu_seconds(pids) for role, pids in processes.items()}
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                                  extra_body={"ignore_eos": True}, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+        assert whole.usage.completion_tokens == 48
+        used = {role: cpu_seconds(pids) - before[role] for role, pids in processes.items()}
+        print("CPU seconds of the two answers:", used)
+        # the headless member holds half of every layer's heads: it computes every step the leader does
+        assert used["headless"] >= 0.3 * used["leader"] > 0, used
+    finally:
+        op.stop()
