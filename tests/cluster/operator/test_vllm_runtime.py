@@ -24,11 +24,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from openai import InternalServerError
 
 from harness.operator_cluster import Operator, apply, condition, get_json, install, isvc, names, ready_with, wait_for
 from harness.processes import argv, cpu_seconds, pids, process_tree
 from harness.router import stream_events
-from harness.vllm import create_vllm_checkpoint, require_venv
+from harness.vllm import create_vllm_checkpoint, require_venv, vllm_runs_avx2_kernels
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
@@ -205,6 +206,9 @@ def multi_node_vllm_processes() -> dict[str, list[int]]:
     return roles
 
 
+@pytest.mark.xfail(vllm_runs_avx2_kernels(), strict=True, raises=InternalServerError,
+                   reason="vLLM 0.32.0's AVX2 kernels fail a tensor-parallel prefill of a few dozen tokens (IndexError "
+                          "in its vocab-parallel embedding), on one host as on two; docs/runtimes.md")
 def test_a_two_host_vllm_replica_runs_vllms_multi_node_mode_and_both_members_compute(cluster, namespace, vllm_model,
                                                                                     tmp_path):
     import openai
