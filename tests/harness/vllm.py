@@ -24,12 +24,9 @@ ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "HF
 def vllm_runs_avx2_kernels() -> bool:
     """Whether `vllm serve` loads its AVX2 kernels here: on a host without AVX-512, or under the project's AVX2
     emulation (TOKENFLEET_CPU_ISA=avx2, which hack/vllm-cpu.sh's shim passes on to vLLM's kernel choice)."""
-    if os.environ.get("TOKENFLEET_CPU_ISA") == "avx2":
-        return True
-    try:
-        return " avx512f " not in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
-    except OSError:
-        return False
+    from tokenfleet_serving.engine import cpu_features
+
+    return cpu_features.isa_cap() == "avx2" or "avx512f" not in cpu_features.host_flags()
 
 
 def require_venv() -> Path:

@@ -194,7 +194,6 @@ def _backends(base: str) -> list[str]:
             if k.startswith("tokenfleet_router_backend_load{")]
 
 
-
 def multi_node_vllm_processes() -> dict[str, list[int]]:
     """The `vllm serve --nnodes ...` processes by role (``leader``, ``headless``), each with its descendants
     (vLLM's engine core and worker)."""
@@ -237,14 +236,14 @@ def test_a_two_host_vllm_replica_runs_vllms_multi_node_mode_and_both_members_com
         base = wait_for("a ready router", lambda: router_url(cluster, namespace), 120, op)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": PROMPT}]
-        before = {role: cpu_seconds(pids) for role, pids in processes.items()}
+        before = {role: cpu_seconds(tree) for role, tree in processes.items()}
         whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
                                                extra_body={"ignore_eos": True})
         streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
                                                   extra_body={"ignore_eos": True}, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
         assert whole.usage.completion_tokens == 48
-        used = {role: cpu_seconds(pids) - before[role] for role, pids in processes.items()}
+        used = {role: cpu_seconds(tree) - before[role] for role, tree in processes.items()}
         print("CPU seconds of the two answers:", used)
         # the headless member holds half of every layer's heads: it computes every step the leader does
         assert used["headless"] >= 0.3 * used["leader"] > 0, used
