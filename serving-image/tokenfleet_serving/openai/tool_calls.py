@@ -6,6 +6,10 @@ and the OpenAI shapes of the result (the message's ``tool_calls``, ``finish_reas
   a server without one refuses the request (400 naming ``tool_choice``), as vLLM does;
 - ``required`` or a named function: decoding is constrained to ``tools.tool_call_schema`` and the constrained
   reader (``tool_parsers/constrained.py``) reads it.
+
+Only calls of the request's functions are calls; a stream sends each one's name as soon as it is written and
+then its arguments as they are generated. An answer cut short keeps the calls it completed (streamed or not)
+and keeps its ``finish_reason: length``; the call it was cut in is no content.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import Any
 
 from .errors import bad
 from .tool_parsers import TOOL_PARSERS, ToolCall, ToolCallStream, ToolParser
-from .tool_parsers.constrained import constrained_parser, constrained_stream
+from .tool_parsers.constrained import constrained_parser, tool_names
 from .tools import NAMED, NONE, ToolChoice
 
 
@@ -32,7 +36,8 @@ def tool_output_parser(choice: ToolChoice | None, parser_name: str | None) -> To
 
 
 def tool_call_stream(choice: ToolChoice, parser: ToolParser) -> ToolCallStream:
-    return constrained_stream(choice) if choice.constrained else ToolCallStream(parser)
+    """Streams the answer: each call's name as soon as it is written, then its arguments as they come."""
+    return ToolCallStream(parser, tool_names(choice))
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall], choice: ToolChoice | None) -> str | None:
@@ -45,7 +50,7 @@ def finish_reason(reason: str | None, calls: list[ToolCall], choice: ToolChoice 
 
 def apply_tool_calls(choice_body: dict, text: str, parser: ToolParser, choice: ToolChoice) -> None:
     """Rewrite a chat response's choice (``{"message": ..., "finish_reason": ...}``) with the calls in ``text``."""
-    content, calls = parser.parse(text)
+    content, calls = parser.parse(text, tool_names(choice))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.message() for c in calls]

@@ -515,8 +515,9 @@ class _Run:
         tools = self.req.tools
         tool_stream = tool_call_stream(tools, self.tool_parser) if tools and self.tool_parser else None
         if tool_stream is not None and self.req.continuation is not None:
-            # the client has what another replica's stream made of this text: take it in again, silently
-            tool_stream.push(self.req.continuation.delivered_text)
+            # the client has what another replica's stream made of this text: take it in again, silently (off
+            # the event loop: up to MAX_CONTINUATION_TEXT of it, which other requests need not wait for)
+            await asyncio.to_thread(tool_stream.push, self.req.continuation.delivered_text)
         if chat and self.req.continuation is None:      # a continued stream has had its opening chunk
             await send_chunk(P.chat_chunk(response_id, self.model, self.created, {"role": "assistant", "content": ""},
                                           None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -238,3 +239,119 @@ def test_langchain_bind_tools_and_structured_output(tool_server):
     forecast = llm.with_structured_output(Forecast).invoke("forecast for Oslo")
     assert isinstance(forecast, Forecast)
     jsonschema.validate(forecast.model_dump(), Forecast.model_json_schema())
+
+
+PING = {"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}}}
+
+
+def raw_stream(tool_server, body: dict) -> list[dict]:
+    """The server's own chunks of a streamed answer, with the text each token decodes to (``return_token_ids``
+    makes a tool-call stream say it next to the parsed deltas)."""
+    from harness.router import stream_events
+
+    status, _, events = stream_events(tool_server.base_url, "/v1/chat/completions",
+                                      {"model": MODEL_NAME, "messages": MESSAGES, "stream": True,
+                                       "return_token_ids": True, **body}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200, events
+    return [e for e in events if isinstance(e, dict) and e.get("choices")]
+
+
+def tokens_to_reach(chunks: list[dict], text: str, at: int) -> int:
+    """How many output tokens the answer takes until its text is longer than ``at`` characters."""
+    seen, tokens = "", 0
+    for c in chunks:
+        seen += c["choices"][0].get("output_text", "")
+        tokens += len(c["choices"][0].get("token_ids", []))
+        if len(seen) > at:
+            return tokens
+    raise AssertionError(f"the answer never got past {at} characters: {seen!r}")
+
+
+def assemble(chunks) -> tuple[str, list[dict], str | None]:
+    """The openai client's chunks as an agent assembles them: content, calls by index, finish_reason."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.type == "function" and tc.function.name, tc      # the first delta of a call
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and (tc.function.name is None), tc
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def test_a_required_stream_sends_each_call_as_it_is_written(client, tool_server):
+    """Each call's name first (with its id and type), then its arguments in pieces as they are generated."""
+    full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[PING], tool_choice="required",
+                                          max_tokens=256, seed=0, stream=True)
+    order = []
+    for chunk in full:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            order.append((tc.index, "name" if tc.function.name else "arguments"))
+    firsts = [order.index((i, "name")) for i in sorted({i for i, _ in order})]
+    assert len(firsts) >= 2, order                                  # this seed writes several calls
+    first_call = [kind for i, kind in order if i == 0]
+    assert first_call[0] == "name" and first_call.count("arguments") > 1, first_call     # pieces, not one delta
+    assert order.index((0, "arguments")) < firsts[1]        # the first call streamed before the second began
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_cut_inside_its_second_call_keeps_the_first(client, tool_server, stream):
+    """tool_choice required, max_tokens ending the output inside the second call: the first call is whole, as
+    tool_calls; nothing of the array is content; finish_reason stays length."""
+    body = {"tools": [PING], "tool_choice": "required", "seed": 0}
+    chunks = raw_stream(tool_server, {**body, "max_tokens": 256})
+    text = "".join(c["choices"][0].get("output_text", "") for c in chunks)
+    calls = json.loads(text)
+    assert len(calls) >= 2, text
+    second = text.index("{", text.index('"parameters"', text.index('"name"', text.index("}}") + 2)))
+    cut = tokens_to_reach(chunks, text, second + 1)      # the second call's arguments have begun
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[PING], tool_choice="required", max_tokens=cut,
+                   seed=0)
+    if stream:
+        content, got, reason = assemble(client.chat.completions.create(**request, stream=True))
+        assert not content and reason == "length"
+        assert (got[0]["name"], json.loads(got[0]["arguments"])) == ("ping", calls[0]["parameters"])
+        assert got[1]["name"] == "ping" and len(got) == 2       # the cut call: its name, and its arguments so far
+        assert got[1]["arguments"] and text[second:].startswith(got[1]["arguments"])
+    else:
+        r = client.chat.completions.create(**request)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+               [("ping", calls[0]["parameters"])]
+
+
+def test_an_auto_stream_cut_inside_its_second_call_keeps_the_first(client, tool_server):
+    """tool_choice auto, read by the hermes parser: the model is made to write two calls (a regex constrains its
+    output) and max_tokens ends it inside the second one's arguments."""
+    first = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}</tool_call>'
+    second = '<tool_call>{"name": "search", "arguments": {"query": "fleet cluster"}}</tool_call>'
+    body = {"tools": TOOLS, "seed": 0, "structured_outputs": {"regex": re.escape(first + second)}}
+    chunks = raw_stream(tool_server, {**body, "max_tokens": 256})
+    text = "".join(c["choices"][0].get("output_text", "") for c in chunks)
+    assert text == first + second
+    cut = tokens_to_reach(chunks, text, text.index('"query"'))
+    for stream in (True, False):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=cut, seed=0,
+                                           stream=stream, extra_body={"structured_outputs": body["structured_outputs"]})
+        if stream:
+            content, got, reason = assemble(r)
+            assert not content.strip() and reason == "length", content
+            assert (got[0]["name"], json.loads(got[0]["arguments"])) == ("get_weather", {"city": "Oslo", "days": 3})
+            assert [c["name"] for c in got] == ["get_weather", "search"]
+            assert got[1]["arguments"] and '{"query": "fleet cluster"}'.startswith(got[1]["arguments"])
+        else:
+            choice = r.choices[0]
+            assert choice.finish_reason == "length" and not choice.message.content
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+                   [("get_weather", {"city": "Oslo", "days": 3})]

@@ -1,86 +1,44 @@
 """What every tool-call parser shares: the calls it finds, and how a text is cut into content and calls, whole
 or while it streams.
 
-A parser's :meth:`ToolParser.scan` reads a text from where the last scan stopped (``start``) and returns the
-segments it is sure of (content, or complete calls) and where they end; with ``final`` it must take all of
-it. The same scan serves a whole answer (one final scan) and a stream (a scan per delta, then a final one),
-so both cut the text the same way. Text that looks like a call but does not parse stays content: a model's
-malformed call reaches the client as its words, never as an error.
+A parser's :meth:`ToolParser.advance` reads the growing text of one answer from where it stopped (its state,
+kept by the :class:`ToolCallStream`) and returns what it is sure of: content, and the calls being written
+(:class:`CallReader`). A call streams as soon as its name is known (a delta with its index, id, type and
+name), then its arguments as they are generated, as vLLM and OpenAI stream them. The same reading serves a
+whole answer (one push of all of it) and a stream (a push per delta), so both cut the text the same way.
+
+- Text that looks like a call but is none (not JSON, no name, a function the request does not have) stays
+  content: a model's malformed call reaches the client as its words, never as an error.
+- A call cut short (``finish_reason: length``, or an answer that ends inside it) is not content either: a
+  stream has sent its name and its arguments so far; a whole answer leaves it out and keeps the complete
+  calls before it.
 """
 from __future__ import annotations
 
-import json
 import secrets
 import string
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+
+from .call_reader import CallReader
+from .call_sequence import CallSequence
+
+Item = str | CallReader          # settled content, or a call being read
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str                  # a JSON object, encoded, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{secrets.token_hex(16)}")
+    id: str = field(default_factory=lambda: new_call_id())
 
     def message(self) -> dict:
         """The call in an assistant message's ``tool_calls``."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
-    def delta(self, index: int) -> dict:
-        """The call as one streamed ``tool_calls`` delta entry."""
-        return {"index": index, **self.message()}
 
-
-Segment = str | ToolCall         # settled text: content, or a complete call
-
-
-def call_from_json(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters"),
-                   make_id: Any = None) -> ToolCall | None:
-    """``{"name": N, "arguments"|"parameters": {...}}`` (arguments may be an encoded object) as a ToolCall, else
-    None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args: Any = {}
-    for key in arguments_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
-            return None
-    if not isinstance(args, dict):
-        return None
-    try:
-        encoded = json.dumps(args, ensure_ascii=False)
-    except RecursionError:
-        return None
-    return ToolCall(obj["name"], encoded) if make_id is None else ToolCall(obj["name"], encoded, make_id())
-
-
-def partial_marker_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a beginning of ``marker`` (held back while streaming)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def json_values(text: str) -> list[Any] | None:
-    """The JSON values ``text`` holds one after another (separated by whitespace or ``;``), or None when any
-    part is not JSON."""
-    decoder, values, i = json.JSONDecoder(), list[Any](), 0
-    while True:
-        while i < len(text) and (text[i].isspace() or text[i] == ";"):
-            i += 1
-        if i == len(text):
-            return values
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
-            return None
-        values.append(value)
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
 
 
 def mistral_call_id() -> str:
@@ -88,70 +46,132 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
+def partial_marker_suffix(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest end of ``text[start:]`` that is a beginning of ``marker`` (held back while
+    streaming)."""
+    for n in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class ScanState:
+    """Where one answer's reading stands (a parser is shared by the choices of a request; this is not)."""
+    pos: int = 0                       # the text before this is settled
+    mode: str = ""                     # "" reading; CONTENT: the rest is content; DROP: the rest is dropped
+    block: int = 0                     # where the calls being read began (their text, if they are none)
+    reader: CallReader | None = None   # hermes: the call of the open block
+    calls: CallSequence | None = None  # the calls being read, for the parsers that write several together
+    search: int = 0                    # hermes: where to look for the closing marker next
+    count: int = 0                     # hermes: the call blocks opened
+
+
+CONTENT, DROP = "content", "drop"
+
+
+def content_to_marker(state: ScanState, text: str, marker: str, final: bool) -> tuple[list[Item], int]:
+    """Content up to ``marker`` (its index, or -1 when it has not come: an end that could begin it is held)."""
+    at = text.find(marker, state.pos)
+    end = at if at >= 0 else len(text) - (0 if final else partial_marker_suffix(text, marker, state.pos))
+    items: list[Item] = [text[state.pos:end]] if end > state.pos else []
+    state.pos = max(state.pos, end)
+    return items, at
+
+
+def rest(state: ScanState, text: str) -> list[Item]:
+    """After the calls: the rest of the answer is content, or dropped (after calls that broke off)."""
+    items: list[Item] = [text[state.pos:]] if state.mode == CONTENT and len(text) > state.pos else []
+    state.pos = len(text)
+    return items
+
+
+def read_sequence(state: ScanState, text: str, final: bool) -> list[Item]:
+    """Advance ``state.calls``: the calls that moved, and what their text turned out to be when it is no
+    sequence of calls after all (content, when no call had been sent) or when it ends."""
+    seq = state.calls
+    assert seq is not None
+    items: list[Item] = list(seq.advance(text))
+    if seq.broken and not seq.opened:         # no call at all: the model's words
+        state.mode, state.pos = CONTENT, state.block
+    elif seq.broken or (final and not seq.finished()):   # a call broke off or was cut: the rest is no content
+        state.mode = DROP
+    elif seq.done:
+        state.mode, state.pos = CONTENT, seq.end or state.pos
+    else:
+        return items
+    return items + rest(state, text)
+
+
 class ToolParser:
-    """Reads a model's tool calls out of its text. Subclasses implement :meth:`scan`."""
+    """Reads a model's tool calls out of its text. Subclasses implement :meth:`advance`."""
 
     name = ""
     # The call markers are special tokens, which detokenization would drop: keep them in the text.
     keeps_special_tokens = False
+    make_id = staticmethod(new_call_id)
 
-    def scan(self, text: str, start: int, final: bool) -> tuple[list[Segment], int]:
-        """The segments of ``text[start:]`` that are settled, and where the next scan starts."""
+    def advance(self, state: ScanState, text: str, final: bool, names: Collection[str] | None) -> list[Item]:
+        """What ``text[state.pos:]`` settles (``final``: the answer is complete); ``names``: the request's
+        functions (None: any)."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole answer: its content (None when it is only calls) and its calls."""
-        segments, _ = self.scan(text, 0, final=True)
-        calls = [s for s in segments if isinstance(s, ToolCall)]
-        content = "".join(s for s in segments if isinstance(s, str))
-        if calls:
-            return (content.strip() or None), calls
-        return text, []
+    def parse(self, text: str, names: Collection[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer: its content (None when it is only calls) and its complete calls."""
+        stream = ToolCallStream(self, names)
+        stream.push(text, final=True)
+        if stream.calls:
+            return stream.content.strip() or None, stream.calls
+        return stream.content or None, []
 
 
-class MarkedToolParser(ToolParser):
-    """Calls that follow a marker: content until the marker, then the call section (parsed by
-    :meth:`calls_after_marker`, at the end of the answer)."""
-
-    marker = ""
-
-    def calls_after_marker(self, section: str) -> list[ToolCall] | None:
-        raise NotImplementedError
-
-    def scan(self, text: str, start: int, final: bool) -> tuple[list[Segment], int]:
-        at = text.find(self.marker, start)
-        if at < 0:
-            end = len(text) - (0 if final else partial_marker_suffix(text[start:], self.marker))
-            return ([text[start:end]] if end > start else []), end
-        segments: list[Segment] = [text[start:at]] if at > start else []
-        if not final:
-            return segments, at
-        calls = self.calls_after_marker(text[at + len(self.marker):])
-        if calls:
-            segments += calls
-        else:
-            segments.append(text[at:])
-        return segments, len(text)
+@dataclass
+class _Sent:
+    index: int
+    id: str
+    arguments: int = 0      # characters of the arguments sent
+    complete: bool = False
 
 
 class ToolCallStream:
     """Streams one answer's content and tool calls as OpenAI's deltas."""
 
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, names: Collection[str] | None = None):
+        self.parser, self.names = parser, names
+        self.state = ScanState()
         self.text = ""
-        self.taken = 0
-        self.calls: list[ToolCall] = []
+        self.content = ""
+        self.calls: list[ToolCall] = []          # the complete calls, in order
+        self._sent: dict[CallReader, _Sent] = {}
 
     def push(self, delta: str, final: bool = False) -> list[dict]:
         """The chat ``delta`` objects for this much more text (``final``: the answer is complete)."""
-        self.text += delta
-        segments, self.taken = self.parser.scan(self.text, self.taken, final)
+        text, self.text = self.text, ""
+        text += delta             # in place: the attribute no longer holds it (a long answer is not copied per delta)
+        self.text = text
         out: list[dict] = []
-        for value in segments:
-            if isinstance(value, ToolCall):
-                out.append({"tool_calls": [value.delta(len(self.calls))]})
-                self.calls.append(value)
-            elif value and not (self.calls and not value.strip()):
-                out.append({"content": value})
+        for item in self.parser.advance(self.state, self.text, final, self.names):
+            if isinstance(item, CallReader):
+                out += self._follow(item)
+            elif item and not (self._sent and not item.strip()):
+                out.append({"content": item})
+                self.content += item
+        return out
+
+    def _follow(self, reader: CallReader) -> list[dict]:
+        sent = self._sent.get(reader)
+        out: list[dict] = []
+        if sent is None:
+            if not reader.opened or reader.name is None:
+                return out
+            sent = self._sent[reader] = _Sent(len(self._sent), self.parser.make_id())
+            out.append({"tool_calls": [{"index": sent.index, "id": sent.id, "type": "function",
+                                        "function": {"name": reader.name, "arguments": ""}}]})
+        more = reader.arguments_after(self.text, sent.arguments)
+        if more:
+            sent.arguments += len(more)
+            out.append({"tool_calls": [{"index": sent.index, "function": {"arguments": more}}]})
+        if reader.complete and not sent.complete and reader.name is not None and reader.arguments is not None:
+            sent.complete = True
+            self.calls.append(ToolCall(reader.name, reader.arguments, sent.id))
         return out

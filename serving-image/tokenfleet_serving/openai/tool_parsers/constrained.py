@@ -4,35 +4,32 @@ involved (as in vLLM):
 
 - a named function: the text is the call's arguments object; a stream sends the call's name first and then
   the arguments as they are generated, as OpenAI streams them;
-- ``required``: the text is a list of ``{"name", "parameters"}`` objects; a stream sends the calls when the
-  list is complete.
+- ``required``: the text is a list of ``{"name", "parameters"}`` objects; a stream sends each call's name as
+  soon as it is written, then its arguments as they are generated.
 
-Only an answer cut short (``finish_reason: length``) fails to parse; it is returned as content.
+An answer cut short (``finish_reason: length``) keeps its complete calls; the call it was cut in is not
+content (a stream has sent what there was of it).
 """
 from __future__ import annotations
 
-import json
+from collections.abc import Collection
 
 from ..tools import NAMED, ToolChoice
-from .base import Segment, ToolCall, ToolCallStream, ToolParser, call_from_json
+from .base import Item, ScanState, ToolCallStream, ToolParser, read_sequence, rest
+from .call_sequence import ARGUMENTS, ARRAY, CallSequence
 
 
 class RequiredCallsParser(ToolParser):
-    """``required``: a JSON list of calls, read when the answer is complete."""
+    """``required``: a JSON list of calls."""
 
     name = "required"
 
-    def scan(self, text: str, start: int, final: bool) -> tuple[list[Segment], int]:
-        if not final:
-            return [], start
-        try:
-            items = json.loads(text)
-        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
-            items = None
-        calls = [call_from_json(i, ("parameters", "arguments")) for i in items] if isinstance(items, list) else []
-        if calls and all(c is not None for c in calls):
-            return [c for c in calls if c is not None], len(text)
-        return ([text] if text else []), len(text)
+    def advance(self, state: ScanState, text: str, final: bool, names: Collection[str] | None) -> list[Item]:
+        if state.mode:
+            return rest(state, text)
+        if state.calls is None:
+            state.calls = CallSequence(0, ARRAY, names)
+        return read_sequence(state, text, final)
 
 
 class NamedCallParser(ToolParser):
@@ -43,34 +40,16 @@ class NamedCallParser(ToolParser):
     def __init__(self, function: str):
         self.function = function
 
-    def scan(self, text: str, start: int, final: bool) -> tuple[list[Segment], int]:
-        if not final:
-            return [], start
-        try:
-            args = json.loads(text)
-        except (ValueError, RecursionError):     # not JSON, or nested past the parser's stack
-            args = None
-        if isinstance(args, dict):
-            return [ToolCall(self.function, json.dumps(args, ensure_ascii=False))], len(text)
-        return ([text] if text else []), len(text)
+    def advance(self, state: ScanState, text: str, final: bool, names: Collection[str] | None) -> list[Item]:
+        if state.mode:
+            return rest(state, text)
+        if state.calls is None:
+            state.calls = CallSequence(0, ARGUMENTS, None, self.function)
+        return read_sequence(state, text, final)
 
 
-class NamedCallStream(ToolCallStream):
-    """Streams a named function's call: its id and name at once, then its arguments as they come."""
-
-    def __init__(self, function: str):
-        super().__init__(NamedCallParser(function))
-        self.call = ToolCall(function, "")
-
-    def push(self, delta: str, final: bool = False) -> list[dict]:
-        out: list[dict] = []
-        if not self.calls:
-            self.calls.append(self.call)
-            out.append({"tool_calls": [self.call.delta(0)]})
-        self.text += delta
-        if delta:
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
-        return out
+def tool_names(choice: ToolChoice) -> frozenset[str]:
+    return frozenset(t["function"]["name"] for t in choice.tools)
 
 
 def constrained_parser(choice: ToolChoice) -> ToolParser:
@@ -78,4 +57,4 @@ def constrained_parser(choice: ToolChoice) -> ToolParser:
 
 
 def constrained_stream(choice: ToolChoice) -> ToolCallStream:
-    return NamedCallStream(choice.function or "") if choice.mode == NAMED else ToolCallStream(RequiredCallsParser())
+    return ToolCallStream(constrained_parser(choice), tool_names(choice))

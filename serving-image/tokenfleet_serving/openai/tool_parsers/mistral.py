@@ -1,23 +1,30 @@
 """``mistral``: ``[TOOL_CALLS]`` and then a JSON list of ``{"name": ..., "arguments": {...}}`` (Mistral 7B v0.3,
 Mistral Nemo and Small), after optional content. ``[TOOL_CALLS]`` is a special token, so the answer is
-detokenized with special tokens kept. Call ids are 9 letters and digits, which Mistral's templates require
-when the calls come back in the conversation."""
+detokenized with special tokens kept. Each call streams as soon as its name is known. Call ids are 9 letters
+and digits, which Mistral's templates require when the calls come back in the conversation."""
 from __future__ import annotations
 
-from .base import MarkedToolParser, ToolCall, call_from_json, json_values, mistral_call_id
+from collections.abc import Collection
+
+from .base import Item, ScanState, ToolParser, content_to_marker, mistral_call_id, read_sequence, rest
+from .call_sequence import ARRAY_OR_OBJECT, CallSequence
+
+MARKER = "[TOOL_CALLS]"
 
 
-class MistralToolParser(MarkedToolParser):
+class MistralToolParser(ToolParser):
     name = "mistral"
-    marker = "[TOOL_CALLS]"
     keeps_special_tokens = True
+    make_id = staticmethod(mistral_call_id)
 
-    def calls_after_marker(self, section: str) -> list[ToolCall] | None:
-        values = json_values(section)
-        if not values or len(values) != 1:
-            return None
-        items = values[0] if isinstance(values[0], list) else [values[0]]
-        calls = [call_from_json(v, make_id=mistral_call_id) for v in items]
-        if not calls or any(c is None for c in calls):
-            return None
-        return [c for c in calls if c is not None]
+    def advance(self, state: ScanState, text: str, final: bool, names: Collection[str] | None) -> list[Item]:
+        if state.mode:
+            return rest(state, text)
+        items: list[Item] = []
+        if state.calls is None:
+            items, at = content_to_marker(state, text, MARKER, final)
+            if at < 0:
+                return items
+            state.block, state.pos = at, at + len(MARKER)
+            state.calls = CallSequence(state.pos, ARRAY_OR_OBJECT, names)
+        return items + read_sequence(state, text, final)
