@@ -213,15 +213,18 @@ class CallReader:
     def _take_arguments(self, raw: str) -> bool:
         value = _decode(raw)
         if isinstance(value, str) and raw.startswith('"'):
-            value = _decode(value)
-            raw, self._encoded = (json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else raw), True
+            value, self._encoded = _decode(value), True
+            try:
+                raw = json.dumps(value, ensure_ascii=False)
+            except (ValueError, RecursionError):      # nested past the encoder's stack
+                return False
         if not isinstance(value, dict):
             return False
         self.arguments = raw
         self.complete = self.name is not None
         if self._bare:
             self.opened = self.closed = True
-            self.end = self._args.end if self._args and self._args.end is not None else self._pos
+            self.end = self._pos
         elif self.complete:
             self.opened = True
         return True
