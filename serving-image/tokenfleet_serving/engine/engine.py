@@ -141,6 +141,7 @@ class LoRAStats:
     adapters: list[str]                                       # servable now
     in_memory: list[str]                                      # of those, loaded (not to be read again first)
     tokens: dict[str, tuple[int, int]]
+    roots: dict[str, str] = field(default_factory=dict)       # adapter -> hex root its new requests' blocks chain from
 
 
 class LLMEngine:
@@ -609,7 +610,8 @@ class LLMEngine:
             return None
         running, waiting = self.lora_activity()
         return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names, list(self.lora.loaded),
-                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()})
+                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()},
+                         {n: self.lora.root_of[n].hex() for n in self.lora.names if n in self.lora.root_of})
 
     # ---- LoRA adapters ----------------------------------------------------
     def load_lora_adapter(self, name: str, path: str | Path) -> float:

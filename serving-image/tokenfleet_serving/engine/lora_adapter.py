@@ -180,8 +180,8 @@ def _check_weights_size(name: str, path: Path, limit: int) -> None:
         head = f.read(8)
     header = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
     if not 0 < header <= MAX_HEADER_BYTES or header + 8 > size:
-        raise AdapterError(name, str(path), "(header)", f"a safetensors header of {header} bytes in a file of "
-                                                        f"{size}; at most {MAX_HEADER_BYTES} bytes are accepted")
+        raise AdapterError(name, str(path), "(file)", f"says its safetensors header has {header} bytes, in a file "
+                                                      f"of {size}; a header may have at most {MAX_HEADER_BYTES} bytes")
 
 
 def _read_weights(name: str, directory: Path, limit: int) -> tuple[dict[str, torch.Tensor], str]:

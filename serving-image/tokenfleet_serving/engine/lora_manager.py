@@ -82,6 +82,7 @@ class LoRAManager:
     load_seconds: dict[str, float] = field(default_factory=dict)     # time each adapter's last load took
     roots: dict[str, set[bytes]] = field(default_factory=dict)       # name -> roots of every version installed
     stale_roots: list[bytes] = field(default_factory=list)           # of adapters gone: their blocks to forget
+    root_of: dict[str, bytes] = field(default_factory=dict)          # name -> root of the version new requests get
 
     def check_name(self, name: str) -> None:
         """ValueError unless ``name`` may name an adapter: the served-model-name rule, not the base model's
@@ -116,6 +117,7 @@ class LoRAManager:
         self._make_room()
         self.loaded[name] = adapter
         self.roots.setdefault(name, set()).add(adapter.root_hash)
+        self.root_of[name] = adapter.root_hash
         self.tokens.setdefault(name, AdapterTokens())
         return adapter
 
@@ -131,6 +133,7 @@ class LoRAManager:
         if current is not None and current.fingerprint != adapter.fingerprint:
             self.loaded.pop(adapter.name)        # other files: the copy in memory is stale
         self.paths[adapter.name] = adapter.path
+        self.root_of[adapter.name] = adapter.root_hash
         self.tokens.setdefault(adapter.name, AdapterTokens())
 
     def register(self, name: str, path: str | Path) -> None:
@@ -196,6 +199,7 @@ class LoRAManager:
         self.tokens.pop(name, None)          # its metrics go with it
         self.load_seconds.pop(name, None)
         self.stale_roots += self.roots.pop(name, set())
+        self.root_of.pop(name, None)
 
     def take_stale_roots(self) -> list[bytes]:
         """The roots whose blocks are stale since the last call (of adapters that went)."""

@@ -129,7 +129,7 @@ def test_oversized_files_are_refused_before_they_are_read(base, adapters, tmp_pa
     with open(header / "adapter_model.safetensors", "r+b") as f:
         f.truncate(MAX_HEADER_BYTES // 2)                # a file this model's adapter may fill, the same claim
     err = refused(eng, header)
-    assert err.field == "(header)" and str(MAX_HEADER_BYTES) in err.why
+    assert err.field == "(file)" and "header" in err.why and str(MAX_HEADER_BYTES) in err.why
 
     total = copy(adapters["one"], tmp_path / "total")
     limit = max_weights_bytes(eng.model_config, eng.lora.config.max_lora_rank)
@@ -235,3 +235,15 @@ def test_nan_logits_fail_a_greedy_request_instead_of_answering_empty(base, monke
     outs = eng.step()
     assert outs[0].finished and outs[0].finish_reason == "error" and "NaN" in outs[0].error
     assert outs[0].new_token_ids == []
+
+
+def test_the_router_hashes_an_adapters_request_as_the_engine_caches_it(base, adapters):
+    from tokenfleet_serving.router.prefix import block_hashes
+
+    eng = engine(base)
+    eng.load_lora_adapter("x", adapters["one"])
+    generate(eng, "r", "x")
+    root = bytes.fromhex(eng.stats().lora.roots["x"])          # what /metrics tells the router
+    assert set(block_hashes(PROMPT, 4, adapter="x", root=root)) <= set(eng.cached_block_hashes())
+    eng.load_lora_adapter("x", adapters["two"])
+    assert eng.stats().lora.roots["x"] != root.hex()
