@@ -362,7 +362,8 @@ class LLMEngine:
                 if parent is not None and parent.prompt_token_ids == req.prompt_token_ids:
                     req.prompt_parent = parent
             if lora is not None:
-                req.adapter = self._acquire_lora(lora, lora_read)
+                assert self.lora is not None
+                req.adapter = self.lora.acquire_under(self.lock, lora, lora_read)
                 req.root_hash = req.adapter.root_hash
             self.requests[request_id] = req
             self.scheduler.add(req)
@@ -383,22 +384,6 @@ class LLMEngine:
         with self.lock:
             directory = self.lora.to_read(name)
         return None if directory is None else self.lora.read(name, directory)
-
-    def _acquire_lora(self, name: str, read: LoRAAdapter | None) -> LoRAAdapter:
-        """Under the lock: the adapter a new request of ``name`` runs with. When what was read beforehand went
-        stale (the adapter was reloaded from elsewhere or let go meanwhile), it is read again with the lock
-        released, a few times, so no adapter's files are ever read under the lock."""
-        assert self.lora is not None
-        for _ in range(3):
-            adapter = self.lora.acquire(name, read)
-            if adapter is not None:
-                return adapter
-            self.lock.release()
-            try:
-                read = self.prepare_lora(name)
-            finally:
-                self.lock.acquire()
-        raise ValueError(f"LoRA adapter {name!r} kept changing while it was read; retry the request")
 
     def abort_request(self, request_id: str) -> bool:
         with self.lock:

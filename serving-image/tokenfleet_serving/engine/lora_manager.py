@@ -169,6 +169,22 @@ class LoRAManager:
         self.in_use[name] += 1
         return adapter
 
+    def acquire_under(self, lock, name: str, read: LoRAAdapter | None) -> LoRAAdapter:
+        """``acquire`` with ``lock`` (the engine's) held. When what was read beforehand went stale (the adapter
+        was reloaded from elsewhere or let go meanwhile), it is read again with the lock released, a few times,
+        so no adapter's files are read under the lock."""
+        for _ in range(3):
+            adapter = self.acquire(name, read)
+            if adapter is not None:
+                return adapter
+            directory = self.to_read(name)
+            lock.release()
+            try:
+                read = None if directory is None else self.read(name, directory)
+            finally:
+                lock.acquire()
+        raise ValueError(f"LoRA adapter {name!r} kept changing while it was read; retry the request")
+
     def release(self, name: str, prompt_tokens: int) -> bool:
         """A request of ``name`` finished; True when that let a draining adapter go (its blocks are stale)."""
         self.in_use[name] -= 1

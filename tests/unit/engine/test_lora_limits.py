@@ -247,3 +247,18 @@ def test_the_router_hashes_an_adapters_request_as_the_engine_caches_it(base, ada
     assert set(block_hashes(PROMPT, 4, adapter="x", root=root)) <= set(eng.cached_block_hashes())
     eng.load_lora_adapter("x", adapters["two"])
     assert eng.stats().lora.roots["x"] != root.hex()
+
+
+def test_a_read_that_went_stale_before_the_request_was_admitted_is_read_again(base, adapters):
+    fresh = engine(base)
+    fresh.load_lora_adapter("lazy", adapters["two"])
+    expected, _ = generate(fresh, "fresh", "lazy")
+    eng = engine(base)
+    eng.register_lora_adapter("lazy", adapters["one"])
+    stale = eng.prepare_lora("lazy")
+    eng.register_lora_adapter("lazy", adapters["two"])          # moved elsewhere meanwhile
+    eng.add_request("r", PROMPT, GREEDY, lora="lazy", lora_read=stale)
+    got = []
+    while eng.has_unfinished():
+        got += sum((o.new_token_ids for o in eng.step()), [])
+    assert got == expected and eng.lora.loaded["lazy"].path == str(adapters["two"])
