@@ -96,6 +96,8 @@ def test_a_backtracking_target_modules_pattern_is_refused_in_bounded_time_withou
     assert time.monotonic() - started < MATCH_TIMEOUT_S + 5
     err = result["error"]
     assert err.field == "target_modules" and "backtracks" in err.why
+    started = time.monotonic()             # an adapters file retries a refused entry: the answer is kept
+    assert "backtracks" in refused(eng, bad).why and time.monotonic() - started < 1.0
 
 
 def test_target_modules_patterns_in_peft_forms_still_select_their_projections(base, adapters, tmp_path):
