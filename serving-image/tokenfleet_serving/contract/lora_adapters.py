@@ -30,6 +30,9 @@ ADAPTER_LOADED_METRIC = "tokenfleet:lora_adapter_loaded"
 ADAPTER_ERROR_METRIC = "tokenfleet:lora_adapter_error_info"
 ADAPTER_PROMPT_TOKENS_METRIC = "tokenfleet:lora_prompt_tokens_total"
 ADAPTER_GENERATION_TOKENS_METRIC = "tokenfleet:lora_generation_tokens_total"
+# {adapter, root}: the hex root its requests' prefix blocks chain from (engine/block_pool.py), which depends on
+# the adapter's files; the router hashes a request for the adapter from it
+ADAPTER_ROOT_METRIC = "tokenfleet:lora_adapter_root_info"
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,13 @@ recompute it without the engine)::
 where t0..t{B-1} are the token ids of block i (B = block size) and ``||`` is
 byte concatenation. A request for a LoRA adapter chains from the adapter's root instead of ROOT::
 
-    ROOT(adapter) = sha256(ROOT || "lora" || 0x00 || utf8(adapter name))
+    ROOT(adapter) = sha256(ROOT || "lora" || 0x00 || utf8(adapter name) || 0x00 || ascii(content digest))
 
-so the same tokens under another adapter (or the base model) never share a block. Only full blocks are hashed, so a hash names the whole
+where the content digest is the hex sha256 of the adapter's ``adapter_config.json`` followed by its
+``adapter_model.safetensors`` (``lora_adapter.fingerprint``), so the same tokens under another adapter, the
+base model, or another version of the adapter loaded under the same name never share a block. (A root
+without a digest, ``ROOT || "lora" || 0x00 || utf8(name)``, is what a router computes for an adapter whose
+digest it has not learnt.) Only full blocks are hashed, so a hash names the whole
 prefix up to and including its block. Hex-encoded digests are what the engine
 exposes.
 """
@@ -33,11 +37,13 @@ def _chain(parent: bytes, block_bytes: bytes) -> bytes:
     return hashlib.sha256(parent + block_bytes).digest()
 
 
-def adapter_root_hash(adapter: str | None) -> bytes:
-    """The hash a request's first block chains from: ROOT for the base model, else the adapter's root."""
+def adapter_root_hash(adapter: str | None, digest: str | None = None) -> bytes:
+    """The hash a request's first block chains from: ROOT for the base model, else the root of the adapter
+    named ``adapter`` whose files' content digest (hex) is ``digest``."""
     if not adapter:
         return ROOT_HASH
-    return hashlib.sha256(ROOT_HASH + b"lora\x00" + adapter.encode("utf-8")).digest()
+    tail = b"" if digest is None else b"\x00" + digest.encode("ascii")
+    return hashlib.sha256(ROOT_HASH + b"lora\x00" + adapter.encode("utf-8") + tail).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:

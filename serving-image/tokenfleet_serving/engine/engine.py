@@ -21,13 +21,13 @@ import torch
 from ..contract.levers import parse_kv_cache_dtype
 from . import continuation as cont_
 from .batch import SeqChunk, StepBatch, build_batch
-from .block_pool import adapter_root_hash
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .dtype_choice import choose_dtype
 from .kv_cache_manager import KVCacheManager
 from .kv_offload import BlockRecord, KVOffload, KVOffloadConfig, PoolIO, TierCounters
 from .layers.lora import LoRARows
 from .loader import load_config
+from .lora_adapter import LoRAAdapter
 from .lora_manager import LoRAConfig, LoRAManager, UnknownAdapter
 from .model import split_error
 from .quantization import parse_quantization
@@ -141,6 +141,7 @@ class LoRAStats:
     adapters: list[str]                                       # servable now
     in_memory: list[str]                                      # of those, loaded (not to be read again first)
     tokens: dict[str, tuple[int, int]]
+    roots: dict[str, str] = field(default_factory=dict)       # adapter -> hex root its new requests' blocks chain from
 
 
 class LLMEngine:
@@ -308,13 +309,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, continuation: cont_.Continuation | None = None,
                     grammar: CompiledGrammar | None = None, share_prompt_with: str | None = None,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, lora_read: LoRAAdapter | None = None) -> None:
         """Queue a request. ``continuation``: output another replica already delivered for it, taken as this
         request's own (``continuation.py``); a structured output's grammar is advanced over it. ``grammar``:
         ``compile_structured(params.structured)`` done beforehand (else it is compiled here). ``share_prompt_with``:
         the id of a request with the same prompt (n > 1): this one starts once that one has computed the prompt,
         and takes its full blocks from the prefix cache. ``lora``: the name of a loaded or registered LoRA adapter
-        to run it with (``UnknownAdapter`` if there is none of that name)."""
+        to run it with (``UnknownAdapter`` if there is none of that name); ``lora_read``: ``prepare_lora(lora)``
+        done beforehand, off the step thread (else a registered adapter that is not in memory is read here, before
+        the lock is taken)."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -336,6 +339,8 @@ class LLMEngine:
                              f"model's vocabulary [0, {vocab})")
         if lora is not None and (self.lora is None or not self.lora.servable(lora)):
             raise UnknownAdapter(lora)
+        if lora is not None and lora_read is None:
+            lora_read = self.prepare_lora(lora)
         if params.structured is not None and (grammar is None or grammar.spec.key != params.structured.key):
             grammar = self.compile_structured(params.structured)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, lora=lora)
@@ -358,7 +363,8 @@ class LLMEngine:
                     req.prompt_parent = parent
             if lora is not None:
                 assert self.lora is not None
-                self.lora.acquire(lora)
+                req.adapter = self.lora.acquire_under(self.lock, lora, lora_read)
+                req.root_hash = req.adapter.root_hash
             self.requests[request_id] = req
             self.scheduler.add(req)
             if self.offload is not None:         # start reading its disk-tier blocks while it waits
@@ -368,6 +374,16 @@ class LLMEngine:
                 while i < len(hashes) and pool.lookup(hashes[i]) is not None:
                     i += 1
                 self.offload.prefetch(hashes[i:])
+
+    def prepare_lora(self, name: str) -> LoRAAdapter | None:
+        """Read the adapter ``name`` if a request for it would have to (it is registered but not in memory):
+        pass the result to ``add_request`` as ``lora_read``. Call it off the step thread; takes no lock while it
+        reads."""
+        if self.lora is None:
+            raise UnknownAdapter(name)
+        with self.lock:
+            directory = self.lora.to_read(name)
+        return None if directory is None else self.lora.read(name, directory)
 
     def abort_request(self, request_id: str) -> bool:
         with self.lock:
@@ -408,10 +424,15 @@ class LLMEngine:
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepBatch, list[Request]]:
         """The step's batch, and the request of each logits row."""
         chunks, owners = [], []
-        adapters: dict[str, int] = {}          # this step's LoRA adapters, by index
+        adapters: dict[bytes, int] = {}        # this step's LoRA adapters (each version by its root), by index
+        held: list[LoRAAdapter] = []
         for r, n in scheduled:
             start, table = r.num_computed_tokens, self.kv.block_table(r.request_id)
-            a = adapters.setdefault(r.lora, len(adapters)) if r.lora else -1
+            a = -1
+            if r.adapter is not None:
+                a = adapters.setdefault(r.root_hash, len(adapters))
+                if a == len(held):
+                    held.append(r.adapter)
             if r.spec_token_ids:     # verification: the last token and each draft as a decode row of its own
                 for i, token in enumerate([r.all_token_ids[start]] + r.spec_token_ids):
                     chunks.append(SeqChunk([token], start + i, table, True, a))
@@ -422,7 +443,7 @@ class LLMEngine:
         batch = build_batch(chunks, self.kv.block_size, self.device, self.runner.compiled_prefill)
         if batch.row_adapters is not None:
             assert self.lora is not None
-            batch.lora = LoRARows(batch.row_adapters, [self.lora.held(n) for n in adapters], self.device)
+            batch.lora = LoRARows(batch.row_adapters, held, self.device)
         return batch, [owners[i] for i in batch.sample_order]
 
     def _sample_and_update(self, scheduled: list[tuple[Request, int]], rows: list[Request], logits: torch.Tensor,
@@ -548,7 +569,8 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
             if req.lora is not None and self.lora is not None and self.lora.release(req.lora, req.num_prompt_tokens):
-                self._forget_chains(req.root_hash)       # the adapter is gone: its KV is stale
+                for root in self.lora.take_stale_roots():   # the adapter is gone: its KV is stale
+                    self._forget_chains(root)
             reason = req.finish_reason or "unknown"
             self.finished_counts[reason] = self.finished_counts.get(reason, 0) + 1
         return out
@@ -573,7 +595,8 @@ class LLMEngine:
             return None
         running, waiting = self.lora_activity()
         return LoRAStats(running, waiting, self.lora.config.max_loras, self.lora.names, list(self.lora.loaded),
-                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()})
+                         {n: (t.prompt, t.generation) for n, t in self.lora.tokens.items()},
+                         {n: self.lora.root_of[n].hex() for n in self.lora.names if n in self.lora.root_of})
 
     # ---- LoRA adapters ----------------------------------------------------
     def load_lora_adapter(self, name: str, path: str | Path) -> float:
@@ -581,17 +604,19 @@ class LLMEngine:
         Refused with ``lora_adapter.AdapterError`` (file and field named) or ValueError."""
         if self.lora is None:
             raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        adapter = self.lora.read(name, path)     # the files are read and checked before the lock is taken
         with self.lock:
-            self.lora.load(name, path)
-            return self.lora.load_seconds[name]
+            self.lora.install(adapter)
+            return adapter.read_seconds
 
     def register_lora_adapter(self, name: str, path: str | Path) -> None:
         """Make adapter ``name`` servable from ``path``, read on its first request: its files are checked now
         (``lora_adapter.AdapterError``, ValueError) but not kept in memory."""
         if self.lora is None:
             raise ValueError("LoRA adapters are off: start the engine with --enable-lora")
+        adapter = self.lora.read(name, path)
         with self.lock:
-            self.lora.register(name, path)
+            self.lora.register_read(adapter)
 
     def unload_lora_adapter(self, name: str) -> bool:
         """Stop serving ``name``: True when it is gone now, False when it goes as its running requests finish
@@ -600,8 +625,8 @@ class LLMEngine:
             raise UnknownAdapter(name)
         with self.lock:
             gone = self.lora.unload(name)
-            if gone:
-                self._forget_chains(adapter_root_hash(name))
+            for root in self.lora.take_stale_roots():
+                self._forget_chains(root)
             return gone
 
     def lora_adapters(self) -> list[str]:

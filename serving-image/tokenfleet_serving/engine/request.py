@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+    from .lora_adapter import LoRAAdapter
     from .tokenizer import IncrementalDetokenizer
 
 
@@ -52,6 +53,7 @@ class Request:
         self.request_id = request_id
         self.lora = lora                   # the LoRA adapter's name (None: the base model)
         self.root_hash = adapter_root_hash(lora)     # its first block's hash chains from this
+        self.adapter: LoRAAdapter | None = None      # the adapter's version it was admitted with (its root_hash's)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)

@@ -6,6 +6,10 @@ top-k -> top-p -> min-p -> draw with the request's own generator (seeded
 requests are reproducible regardless of batch composition). Logprobs are
 reported from the raw model distribution (before penalties and temperature).
 
+Every row's model logits are checked for NaN and infinity, the greedy fast path's too (one reduction
+over the batch): a model or LoRA adapter that produces them fails the request with an error instead of
+returning an arbitrary token.
+
 Numerics: every row that is penalized or sampled is penalized and scaled in
 float64, and temperature scales the logits' distances from their maximum,
 ``(logits - max) / T``, which is <= 0 everywhere and exactly 0 at the maximum.
@@ -77,6 +81,17 @@ def _check_finite(row: torch.Tensor, req: Request, what: str) -> None:
         raise SamplingError(req.request_id, f"{what} contain NaN or infinity")
 
 
+def _check_batch_finite(logits: torch.Tensor, requests: list[Request]) -> None:
+    """The greedy fast path's check (one reduction over the batch): an argmax over NaN or infinity would
+    pick a meaningless token, so the first row that has one fails its request."""
+    if bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()):
+        return                    # any NaN or infinity makes its row's sum one (the common case ends here)
+    finite = torch.isfinite(logits).all(dim=-1)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        raise SamplingError(requests[row].request_id, "the model's logits contain NaN or infinity")
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Next token (and logprobs when asked) per row. Every row's distribution is computed and checked
     before any row draws, so a SamplingError leaves every request's generator untouched. ``logit_bias``,
@@ -88,6 +103,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         raise SamplingError(e.request_id, str(e)) from None
     simple = all(r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None for r in requests)
     if simple:                    # the common greedy batch: argmax where the logits are
+        _check_batch_finite(logits, requests)
         if processed is None:
             return logits.argmax(dim=-1).tolist(), [None] * len(requests)
         return processed.numpy().argmax(axis=1).tolist(), [None] * len(requests)
@@ -97,8 +113,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
     draws: list[tuple[int, torch.Tensor]] = []
     for i, r in enumerate(requests):
         p = r.params
-        if p.logprobs is not None or p.needs_penalties or not p.greedy:
-            _check_finite(raw[i], r, "the model's logits")
+        _check_finite(raw[i], r, "the model's logits")
         if not p.needs_penalties and p.greedy:
             continue
         work = chosen_from[i].double()

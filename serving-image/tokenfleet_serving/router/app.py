@@ -487,8 +487,8 @@ class Router:
                 info = prompt_info(kind, body, None)
             model = body.get("model") if isinstance(body, dict) else None
             ctx.adapter = model if isinstance(model, str) and self.fleet.serves_adapter(model) else None
-            ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter)
-                          if info.token_ids else ())
+            ctx.hashes = (block_hashes(info.token_ids, self.config.kv_block_size, adapter=ctx.adapter,
+                                       root=self.fleet.adapter_root(ctx.adapter)) if info.token_ids else ())
             if stream is not None and self.runtime.name == VLLM and info.token_ids:
                 ctx.prompt_ids = list(info.token_ids)
             tiers = self.config.tiers

@@ -14,11 +14,12 @@ HASH_SCHEME = "sha256-chain-uint32le"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
-                 adapter: str | None = None) -> tuple[str, ...]:
-    """Hex hashes of the full blocks of ``token_ids`` (at most ``max_blocks`` of them), chained from the root
-    of the LoRA ``adapter`` when one is named."""
+                 adapter: str | None = None, root: bytes | None = None) -> tuple[str, ...]:
+    """Hex hashes of the full blocks of ``token_ids`` (at most ``max_blocks`` of them), chained from ``root``
+    (the LoRA adapter's root its replicas report), else from the root of the ``adapter`` name."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if max_blocks is not None:
         token_ids = token_ids[:max_blocks * block_size]
-    return tuple(h.hex() for h in hash_prefix_blocks(token_ids, block_size, parent=adapter_root_hash(adapter)))
+    parent = root if root is not None and adapter else adapter_root_hash(adapter)
+    return tuple(h.hex() for h in hash_prefix_blocks(token_ids, block_size, parent=parent))

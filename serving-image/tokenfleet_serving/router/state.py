@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from tokenfleet_serving.contract.lora_adapters import ADAPTER_ROOT_METRIC
 from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM, BackendRuntime, RoutedBlocks
 from tokenfleet_serving.router.kv_events import EventBlocks
@@ -55,6 +56,7 @@ class EngineSample:
     signals: frozenset[str] = frozenset(LOAD_SIGNALS)  # which of LOAD_SIGNALS the text had
     cache_blocks: int | None = None         # vllm:cache_config_info's num_gpu_blocks: the KV cache's size
     block_size: int | None = None           # vllm:cache_config_info's block_size
+    adapter_roots: tuple[tuple[str, str], ...] = ()   # (adapter, hex root its blocks chain from), if exported
 
     @property
     def load(self) -> int:
@@ -70,6 +72,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
     adapters: set[str] = set()
     served: set[str] = set()
     cache_info: dict[str, str] = {}
+    roots: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             seen.add(s.name)
@@ -80,6 +83,8 @@ def parse_engine_metrics(text: str) -> EngineSample:
                 served.add(s.labels["adapter"])
                 if s.value > 0:
                     adapters.add(s.labels["adapter"])
+            if s.name == ADAPTER_ROOT_METRIC and "adapter" in s.labels and _is_root(s.labels.get("root", "")):
+                roots[s.labels["adapter"]] = s.labels["root"]
     gen = "vllm:generation_tokens_total"
     if gen not in seen and "vllm:generation_tokens" in seen:
         gen = "vllm:generation_tokens"
@@ -94,7 +99,12 @@ def parse_engine_metrics(text: str) -> EngineSample:
         signals=frozenset(n for n in LOAD_SIGNALS if n in seen),
         cache_blocks=_label_int(cache_info, "num_gpu_blocks"),
         block_size=_label_int(cache_info, "block_size"),
+        adapter_roots=tuple(sorted(roots.items())),
     )
+
+
+def _is_root(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
@@ -388,6 +398,15 @@ class Fleet:
         """Whether ``model`` is a LoRA adapter some routable backend serves."""
         return isinstance(model, str) and any(b.sample is not None and model in b.sample.served_adapters
                                               for b in self.routable())
+
+    def adapter_root(self, model: str | None) -> bytes | None:
+        """The root a request for the LoRA adapter ``model`` chains its blocks from, as the routable backends
+        report it (the one most of them report; None when none does: the router then hashes from the name)."""
+        if model is None:
+            return None
+        votes = collections.Counter(root for b in self.routable() if b.sample is not None
+                                    for name, root in b.sample.adapter_roots if name == model)
+        return bytes.fromhex(votes.most_common(1)[0][0]) if votes else None
 
     def note_routed(self, name: str, block_hashes: Sequence[str]) -> None:
         b = self.backends.get(name)

@@ -125,14 +125,16 @@ class EngineLoop:
                      lora: str | None = None) -> asyncio.Queue:
         """Hand a request to the engine; returns the queue its outputs arrive on. A structured output's grammar
         is compiled first on a worker thread (bounded in time), never on the step thread. ``lora``: the adapter
-        it runs with (None: the base model).
+        it runs with (None: the base model), read on a worker thread first when it is not in memory.
 
         Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses
         (StructuredOutputError for a grammar it cannot compile in time).
         """
-        grammar = None
+        grammar = lora_read = None
         if params.structured is not None:
             grammar = await asyncio.to_thread(self.engine.compile_structured, params.structured)
+        if lora is not None:          # a registered adapter not in memory is read here, not on the step thread
+            lora_read = await asyncio.to_thread(self.engine.prepare_lora, lora)
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if self._stop or not self._thread.is_alive():
@@ -144,7 +146,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         self._submitted_seq += 1
         self._inbox.append(("add", self._submitted_seq, request_id, prompt_token_ids, params, continuation,
-                            (grammar, share_prompt_with, lora), accepted))
+                            (grammar, share_prompt_with, lora, lora_read), accepted))
         self._wake.set()
         try:
             await accepted
@@ -209,10 +211,11 @@ class EngineLoop:
         while self._inbox and self.error is None:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, seq, rid, ids, params, continuation, (grammar, sibling, lora), fut = cmd
+                _, seq, rid, ids, params, continuation, (grammar, sibling, lora, lora_read), fut = cmd
                 try:
                     extra = {k: v for k, v in (("continuation", continuation), ("grammar", grammar),
-                                               ("share_prompt_with", sibling), ("lora", lora)) if v is not None}
+                                               ("share_prompt_with", sibling), ("lora", lora),
+                                               ("lora_read", lora_read)) if v is not None}
                     self.engine.add_request(rid, ids, params, **extra)
                     error = None
                 except Exception as e:  # noqa: BLE001 - refused (ValueError) or failed: this request alone

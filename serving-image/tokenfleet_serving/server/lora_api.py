@@ -5,6 +5,10 @@ model) and in ``model`` of completions and chat; vLLM's ``/v1/load_lora_adapter`
 The two endpoints change what the replica serves, so only the router (or the operator) may call them: they
 need the replica's ``--api-key`` (the router-to-replica key; the auth middleware checks it), and without a
 key they are off (403). The router does not forward them from clients.
+
+``lora_name`` follows the rule of ``--served-model-name``; ``lora_path`` is at most ``MAX_PATH_CHARS``
+characters; the adapter's files are bounded and checked before they are read (``engine/lora_adapter.py``),
+and read off the engine's lock, so a load never holds up the requests being served.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from tokenfleet_serving.openai.errors import ApiError
 
 if TYPE_CHECKING:
     from .app import Server
+
+MAX_PATH_CHARS = 4096          # PATH_MAX: a longer path names no directory
 
 
 def not_found(server: Server, model: str) -> ApiError:
@@ -64,14 +70,23 @@ async def load(server: Server, body) -> web.Response:
     name, path = body["lora_name"], body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise ApiError(400, "'lora_path' must be a non-empty string (a PEFT adapter directory)", "lora_path")
+    if len(path) > MAX_PATH_CHARS or "\0" in path:
+        raise ApiError(400, f"'lora_path' must be a path of at most {MAX_PATH_CHARS} characters without NUL, got "
+                            f"{len(path)} characters", "lora_path")
     if name in server.config.served_model_names:
         raise ApiError(400, f"'{name}' is the base model's name", "lora_name")
+    try:
+        server.engine.lora.check_name(name)
+    except ValueError as e:
+        raise ApiError(400, str(e), "lora_name") from e
     try:
         seconds = await asyncio.to_thread(server.engine.load_lora_adapter, name, path)
     except AdapterError as e:
         raise ApiError(400, str(e), "lora_path") from e
     except ValueError as e:
         raise ApiError(400, str(e), "lora_name") from e
+    except OSError as e:
+        raise ApiError(400, f"'lora_path' cannot be read: {e.strerror or e}", "lora_path") from e
     if server.engine_loop is not None:
         server.engine_loop.refresh_snapshot()
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({seconds:.3f} s).")

@@ -55,7 +55,8 @@ class AdapterFile:
 
     def sync(self) -> bool:
         """Read the file and apply what changed (and retry refused entries when due); True if anything was
-        applied. Blocking: the engine reads adapter files under its lock; run it off the event loop."""
+        applied. Blocking (the engine reads the adapters' files, with its lock released); run it off the event
+        loop."""
         try:
             text = self.path.read_text()
         except OSError as e:

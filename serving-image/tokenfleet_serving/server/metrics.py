@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenfleet_serving.contract.cost import cost_per_million_tokens
-from tokenfleet_serving.contract.lora_adapters import ADAPTER_ERROR_METRIC
+from tokenfleet_serving.contract.lora_adapters import ADAPTER_ERROR_METRIC, ADAPTER_ROOT_METRIC
 from tokenfleet_serving.engine.engine import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -297,6 +297,12 @@ def _lora_metrics(lora, names: list[str], values: list[str], at: float) -> Itera
     for adapter in lora.adapters:
         loaded.add_metric(values + [adapter], 1.0 if adapter in lora.in_memory else 0.0)
     yield loaded
+    roots = GaugeMetricFamily(ADAPTER_ROOT_METRIC, "The hash each LoRA adapter's prefix-cache blocks chain from "
+                              "(its name and its files' digest), for the router's prefix affinity.",
+                              labels=names + ["adapter", "root"])
+    for adapter, root in sorted(lora.roots.items()):
+        roots.add_metric(values + [adapter, root], 1.0)
+    yield roots
 
 
 def _kv_offload_metrics(tiers, names: list[str], values: list[str]) -> Iterable[Metric]:
