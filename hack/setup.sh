@@ -57,3 +57,6 @@ sys.exit(not tokenfleet_cli.__file__.startswith(sys.argv[1] + "/"))' "$root" 2>/
   mkdir -p .cache && touch .cache/pip-installed
 fi
 [ $python_only = 1 ] || { bash hack/build-kube-bins.sh && bash hack/build-node-bins.sh && bash hack/build-tools.sh; }
+# Go's build cache (about 4 GB once the plane and the kubelet are built) serves nothing after the binaries are
+# in .cache/bin, and the images that hack/test.sh builds next need the disk: free it.
+if [ $python_only = 0 ]; then go clean -cache; fi
