@@ -442,7 +442,16 @@ def _client_of(request: web.Request) -> str:
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (finish_reason "error"); the others go on."""
+    """The engine failed this request alone (finish_reason "error"); the others go on. ``param``: the request's
+    own field at fault (its grammar hit llguidance's per-token limits): a 400 naming it, not a 500."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return 500 if self.param is None else 400
 
 
 class _Run:
@@ -477,7 +486,7 @@ class _Run:
             self.running_usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.finish_reason == "error":
                 self.finished = True
-                raise RequestFailedError(f"generation failed for this request: {out.error}")
+                raise RequestFailedError(f"generation failed for this request: {out.error}", out.error_param)
             if out.finished:
                 self.finished = True
                 self.usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
@@ -510,7 +519,7 @@ class _Run:
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from e
         except RequestFailedError as e:
-            raise ApiError(500, str(e)) from e
+            raise ApiError(e.status, str(e), e.param) from e
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
@@ -589,7 +598,7 @@ async def _stream(request: web.Request, runs: list[_Run], streams: list[asyncio.
     except EngineDeadError as e:
         await send(error_body(503, str(e)))
     except RequestFailedError as e:
-        await send(error_body(500, str(e)))
+        await send(error_body(e.status, str(e), e.param))
     await resp.write(DONE_EVENT)
     await resp.write_eof()
     return resp

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenfleet_serving.engine import LLMEngine, SamplingParams
 from tokenfleet_serving.engine.structured.bounds import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH
 from tokenfleet_serving.engine.structured.compiler import CompileQueueFull, GrammarCompiler
 from tokenfleet_serving.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
@@ -26,6 +27,10 @@ array: "[" [value ("," value)*] "]"
 STRING: /"[a-z]*"/
 NUMBER: /[0-9]+/
 """
+AMBIGUOUS = ("start: s\ns: " + " | ".join(f"x{i}" for i in range(40)) + "\n"     # each "a" grows the parser's
+             + "".join(f"x{i}: s s | A |\n" for i in range(40)) + 'A: "a"\n')    # row: at its limit after ~15
+WIDE = "start: " + " | ".join(f"r{i}" for i in range(100)) + "\n" + "".join(        # the first mask passes the
+    f"r{i}: " + " | ".join(f'"{chr(97 + j)}" r{(i + 1) % 100}' for j in range(26)) + "\n" for i in range(100))  # limit
 
 
 def chain(n: int, parens: int = 0) -> str:
@@ -119,3 +124,23 @@ def test_each_client_may_have_only_a_few_compiles_waiting(llama_dir):
         assert json.loads(specs[2].value)["properties"] and c.stats.refused_busy == 2
     finally:
         c.close()
+
+
+def test_a_grammar_past_the_per_token_limits_at_the_first_token_is_refused_at_compile(compiler):
+    with pytest.raises(StructuredOutputError, match="Too many items") as e:
+        compiler.compile(StructuredOutputSpec("grammar", WIDE, param="structured_outputs.grammar"))
+    assert e.value.param == "structured_outputs.grammar"
+
+
+def test_a_grammar_past_the_per_token_limits_later_fails_its_request_naming_the_field(llama_dir):
+    eng = LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=8 << 20, block_size=4)
+    spec = StructuredOutputSpec("grammar", AMBIGUOUS, param="structured_outputs.grammar")
+    eng.add_request("ambiguous", [5, 6, 7], SamplingParams(max_tokens=60, min_tokens=59, structured=spec))
+    eng.add_request("free", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+    last = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            last[out.request_id] = out
+    assert last["ambiguous"].finish_reason == "error" and "max is" in last["ambiguous"].error
+    assert last["ambiguous"].error_param == "structured_outputs.grammar"
+    assert last["free"].finish_reason == "length" and last["free"].error_param is None

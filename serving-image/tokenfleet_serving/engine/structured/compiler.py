@@ -100,8 +100,11 @@ class GrammarBuilder:
         if is_error:
             raise StructuredOutputError(spec.param, f"cannot compile the {what}: {_first_line(messages)}")
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
-        if matcher.is_error():
-            raise StructuredOutputError(spec.param, f"cannot compile the {what}: {_first_line([matcher.get_error()])}")
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()         # the first token's mask: a grammar past the per-token limits fails here
+        for m in (matcher, probe):
+            if m.is_error():
+                raise StructuredOutputError(spec.param, f"cannot compile the {what}: {_first_line([m.get_error()])}")
         return CompiledGrammar(spec, matcher, time.perf_counter() - started)
 
 
