@@ -144,3 +144,16 @@ def test_a_grammar_past_the_per_token_limits_later_fails_its_request_naming_the_
     assert last["ambiguous"].finish_reason == "error" and "max is" in last["ambiguous"].error
     assert last["ambiguous"].error_param == "structured_outputs.grammar"
     assert last["free"].finish_reason == "length" and last["free"].error_param is None
+
+
+def test_a_compile_past_its_deadline_is_killed_and_not_cached_as_a_failure(llama_dir):
+    c = GrammarCompiler(str(Path(llama_dir) / "tokenizer.json"), 512, (2,), timeout_s=0.001, workers=1)
+    try:
+        spec = StructuredOutputSpec("regex", "[a-z]+", param="structured_outputs.regex")
+        for attempt in (1, 2):                  # the child never answers in a millisecond: killed each time
+            with pytest.raises(StructuredOutputError, match="did not compile within") as e:
+                c.submit(spec).result(timeout=60)
+            assert e.value.param == "structured_outputs.regex" and c.stats.timeouts == attempt
+        assert c.stats.failure_hits == 0 and c.sandbox.crashes == 0
+    finally:
+        c.close()

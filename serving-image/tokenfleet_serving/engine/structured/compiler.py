@@ -12,7 +12,8 @@ Bounds:
 * time: the caller waits at most ``timeout_s``, and a child still compiling then is killed; llguidance's own
   fuel limits (``LIMITS``) stop a compile and every later mask computation from running away;
 * clients: at most ``max_pending_per_client`` compiles wait per client and ``max_pending`` in all
-  (:class:`CompileQueueFull`, a 429); a spec that failed is answered from the failure cache at once;
+  (:class:`CompileQueueFull`, a 429); a spec that failed (other than by time) is answered from the failure
+  cache at once;
 * memory: at most ``cache_size`` compiled grammars (and as many failures) are kept, least recently used
   dropped first.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
-from .sandbox import STACK_BYTES, CompileSandbox
+from .sandbox import STACK_BYTES, CompileSandbox, CompileTimeout
 from .spec import StructuredOutputError, StructuredOutputSpec
 
 log = logging.getLogger("tokenfleet.engine.structured")
@@ -213,6 +214,10 @@ class GrammarCompiler:
                 self.stats.compiles += 1
                 self.stats.compile_seconds += compiled.compile_seconds
             return compiled
+        except CompileTimeout:
+            with self._lock:
+                self.stats.timeouts += 1
+            raise
         except StructuredOutputError as e:
             with self._lock:
                 self.stats.failures += 1

@@ -28,6 +28,10 @@ STACK_BYTES = 16 * 2**20       # of the threads that compile, here and in the ch
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])     # holds tokenfleet_serving/
 
 
+class CompileTimeout(StructuredOutputError):
+    """Still compiling at the deadline: not cached as the spec's failure, the host may just have been busy."""
+
+
 class SandboxUnavailable(RuntimeError):
     """No child could compile the spec for a reason of the server's own (a 503)."""
 
@@ -112,7 +116,7 @@ class CompileSandbox:
                     raise StructuredOutputError(spec.param, str(answer["error"]))
                 return
             if child.timed_out:
-                raise StructuredOutputError(spec.param, f"the grammar did not compile within {timeout_s:g} s")
+                raise CompileTimeout(spec.param, f"the grammar did not compile within {timeout_s:g} s")
             crash = child.died_of_signal()
             if crash is not None:
                 self.crashes += 1
