@@ -1,8 +1,8 @@
 """Hostile grammars against one real ``tokenfleet serve`` process (issue 48): a Lark grammar chaining thousands
 of rules once crashed llguidance's native code with SIGSEGV and took every stream on the replica with it.
 
-Asserted, while another client streams: the crashing chain, a deep schema given as a string and grammars that
-hit llguidance's per-token limits are each a 400 naming the field; the stream finishes; a flood of distinct
+Asserted, while another client streams: the crashing chain, a deep schema given as a string, a long ``$ref``
+chain and grammars that hit llguidance's per-token limits are each a 400 naming the field; the stream finishes; a flood of distinct
 grammars that fail is answered with 400s and 429s only, while a cached structured request and the router's
 ``/cache/blocks`` poll stay fast; the process is alive and its log shows no error.
 """
@@ -100,6 +100,11 @@ def test_crashing_and_limit_breaking_grammars_are_400s_while_another_client_stre
     deep = '{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000
     status, body = post(server.base_url, chat(structured_outputs={"json": deep}))
     assert status == 400 and body["error"]["param"] == "structured_outputs.json", body
+    defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(850)}
+    ref_chain = {"$ref": "#/$defs/a0", "$defs": {**defs, "a850": {"type": "string"}}}
+    status, body = post(server.base_url, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "chain", "schema": ref_chain}}))
+    assert status == 400 and body["error"]["param"] == "response_format", body
     status, body = post(server.base_url, chat(structured_outputs={"grammar": wide("w")}))
     assert status == 400 and body["error"]["param"] == "structured_outputs.grammar", body
     ambiguous = chat(structured_outputs={"grammar": AMBIGUOUS}, max_tokens=60, min_tokens=59)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tokenfleet_serving.engine import LLMEngine, SamplingParams
-from tokenfleet_serving.engine.structured.bounds import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_RULES, MAX_SCHEMA_DEPTH
+from tokenfleet_serving.engine.structured import bounds
 from tokenfleet_serving.engine.structured.compiler import CompileQueueFull, GrammarCompiler
 from tokenfleet_serving.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 
@@ -54,9 +54,9 @@ def compiler(llama_dir):
 
 
 @pytest.mark.parametrize("text, words", [
-    (chain(3000), f"at most {MAX_GRAMMAR_RULES} are accepted"),
-    (chain(MAX_GRAMMAR_DEPTH), f"at most {MAX_GRAMMAR_DEPTH} is accepted"),
-    (chain(40, parens=10), f"at most {MAX_GRAMMAR_DEPTH} is accepted"),
+    (chain(3000), f"at most {bounds.MAX_GRAMMAR_RULES} are accepted"),
+    (chain(bounds.MAX_GRAMMAR_DEPTH), f"at most {bounds.MAX_GRAMMAR_DEPTH} is accepted"),
+    (chain(40, parens=10), f"at most {bounds.MAX_GRAMMAR_DEPTH} is accepted"),
 ])
 def test_deep_grammars_are_refused_before_compiling(text, words):
     with pytest.raises(StructuredOutputError) as e:
@@ -75,8 +75,23 @@ def test_deep_schemas_are_refused_without_recursion_errors():
         schema = {"type": "array", "items": schema}
     text = '{"items":' * 5000 + "{}" + "}" * 5000                # 55 KB: under the size bound
     for make in (lambda: StructuredOutputSpec.json_schema(schema), lambda: StructuredOutputSpec.json_schema(text)):
-        with pytest.raises(StructuredOutputError, match=f"at most {MAX_SCHEMA_DEPTH} levels"):
+        with pytest.raises(StructuredOutputError, match=f"at most {bounds.MAX_SCHEMA_DEPTH} levels"):
             make()
+
+
+def ref_chain(n: int) -> dict:
+    """Object definitions each holding a ``$ref`` to the next: about 1,000 crashed llguidance (in 64 KiB)."""
+    defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(n)}
+    return {"$ref": "#/$defs/a0", "$defs": {**defs, f"a{n}": {"type": "string"}}}
+
+
+def test_long_ref_chains_are_refused_and_recursive_schemas_are_not(compiler):
+    with pytest.raises(StructuredOutputError, match=f"at most {bounds.MAX_SCHEMA_REF_DEPTH} is accepted"):
+        StructuredOutputSpec.json_schema(ref_chain(850))
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}}
+    for schema in (tree, ref_chain(20)):
+        compiler.compile(StructuredOutputSpec.json_schema(schema))
 
 
 def test_a_grammar_that_crashes_the_compiler_costs_one_request(compiler):

@@ -6,7 +6,8 @@ rules deepen the recursion further (1,000 rules with ten parentheses each are en
 *depth* is the longest chain of rule references from any rule, each rule counting one plus the deepest
 nesting of parentheses or brackets in its body; references back into a rule already on the chain
 (recursion, as in ``value: "[" value "]"``) end it. A JSON schema's depth is the nesting of its objects and
-arrays. Both are bounded well below what crashes (``spec.py`` refuses more), and the compile itself runs in
+arrays, and its chains of ``$ref`` through its definitions are measured the same way as a grammar's rules.
+All are bounded well below what crashes (``spec.py`` refuses more), and the compile itself runs in
 a child process anyway (``sandbox.py``), so a shape these estimates miss costs one request, not the server.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 MAX_GRAMMAR_RULES = 1000     # rule and terminal definitions in one grammar
 MAX_GRAMMAR_DEPTH = 300      # longest rule chain, parentheses counted (SIGSEGV from about 2,700)
 MAX_SCHEMA_DEPTH = 64        # nested objects and arrays of a JSON schema (llguidance stops at 128)
+MAX_SCHEMA_REF_DEPTH = 300   # longest $ref chain through the definitions, nesting counted (SIGSEGV from ~2,300)
 
 _DEFINITION = re.compile(r"^\s*[?!]?([A-Za-z_][A-Za-z0-9_\-]*)\s*(?:\.-?\d+)?\s*(::=|:)(.*)$")
 _LITERALS = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*|//[^\n]*')     # Lark
@@ -55,12 +57,50 @@ def _nesting(body: str) -> int:
 
 
 def grammar_depth(rules: dict[str, list[str]]) -> int:
-    """The longest chain of references, each rule weighing 1 + its nesting (iterative depth-first search)."""
+    """The longest chain of references, each rule weighing 1 + its nesting."""
     weight = {name: 1 + _nesting(" ".join(body)) for name, body in rules.items()}
     refs = {name: [r for r in dict.fromkeys(_NAME.findall(" ".join(body))) if r in rules and r != name]
             for name, body in rules.items()}
+    return longest_chain(weight, refs)
+
+
+def schema_ref_depth(schema: object) -> int:
+    """A JSON schema's longest chain of ``$ref`` s through its ``$defs`` (or ``definitions``), each definition
+    weighing 1 + its nesting: llguidance follows them recursively (a chain of about 1,000 object definitions,
+    or 2,300 bare references, is a SIGSEGV)."""
+    if not isinstance(schema, dict):
+        return 0
+    defs: dict[str, object] = {}
+    for section in ("$defs", "definitions"):
+        found = schema.get(section)
+        if isinstance(found, dict):
+            defs.update({f"#/{section}/{name}": value for name, value in found.items()})
+    defs["#"] = schema
+    weight = {name: 1 + value_depth(value) for name, value in defs.items()}
+    refs = {name: [r for r in dict.fromkeys(_refs(value)) if r in defs and r != name] for name, value in defs.items()}
+    return longest_chain(weight, refs)
+
+
+def _refs(value: object) -> list[str]:
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str):
+                out.append(ref)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out
+
+
+def longest_chain(weight: dict[str, int], refs: dict[str, list[str]]) -> int:
+    """The heaviest chain of references (iterative depth-first search); a reference back into the chain (a
+    recursion) ends it."""
     longest: dict[str, int] = {}
-    for root in rules:
+    for root in weight:
         if root in longest:
             continue
         on_chain = {root}

@@ -54,6 +54,11 @@ class StructuredOutputSpec:
                 raise StructuredOutputError(self.param, f"the schema is not valid JSON ({e})") from None
             if not isinstance(schema, (dict, bool)):
                 raise StructuredOutputError(self.param, "the schema must be a JSON object")
+            chain = bounds.schema_ref_depth(schema)
+            if chain > bounds.MAX_SCHEMA_REF_DEPTH:
+                raise StructuredOutputError(self.param, f"the schema's $ref chain is {chain} deep (each definition "
+                                                        f"counting 1 plus its nesting); at most "
+                                                        f"{bounds.MAX_SCHEMA_REF_DEPTH} is accepted")
         elif self.kind == "choice":
             if not self.choices or len(self.choices) > MAX_CHOICES:
                 raise StructuredOutputError(self.param, f"choice needs 1 to {MAX_CHOICES} strings")
@@ -88,8 +93,8 @@ def _check_grammar_shape(param: str, text: str) -> None:
     """Bounded before compiling: llguidance recurses over the rules (bounds.py)."""
     rules = bounds.grammar_rules(text)
     if len(rules) > bounds.MAX_GRAMMAR_RULES:
-        raise StructuredOutputError(param, f"the grammar defines {len(rules)} rules; at most {bounds.MAX_GRAMMAR_RULES} "
-                                           "are accepted")
+        raise StructuredOutputError(param, f"the grammar defines {len(rules)} rules; at most "
+                                           f"{bounds.MAX_GRAMMAR_RULES} are accepted")
     depth = bounds.grammar_depth(rules)
     if depth > bounds.MAX_GRAMMAR_DEPTH:
         raise StructuredOutputError(param, f"the grammar's rules chain {depth} deep (each rule counting 1 plus its "
