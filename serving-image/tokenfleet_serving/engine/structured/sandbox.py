@@ -60,10 +60,12 @@ class _Child:
             sel.register(fd, selectors.EVENT_READ)
             while b"\n" not in self._buffer:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                if left <= 0:
                     self.timed_out = True
                     self.kill()
                     return None
+                if not sel.select(min(left, 60.0)):        # a huge timeout must not overflow the poll
+                    continue
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     self.proc.wait()
