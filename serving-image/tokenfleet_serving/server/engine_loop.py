@@ -160,9 +160,10 @@ class EngineLoop:
         not cancel the compile: another request may share it, and it lands in the cache for the next."""
         compiler = self.engine.grammar_compiler
         compiling = asyncio.wrap_future(compiler.submit(spec, client))
+        # a failure nobody waits for any more (timed out, client gone) is retrieved here: no asyncio warning
+        compiling.add_done_callback(lambda f: f.cancelled() or f.exception())
         done, _ = await asyncio.wait({compiling}, timeout=compiler.timeout_s)
         if not done:
-            compiling.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no warning
             raise compiler.timed_out(spec)
         return compiling.result()
 
