@@ -509,8 +509,12 @@ class LLMEngine:
             self._fail(req, e)
 
     def _fail(self, req: Request, error: Exception) -> None:
-        log.error("request %s failed in the engine: %s: %s", req.request_id, type(error).__name__, error,
-                  exc_info=error)
+        if req.grammar is not None and req.grammar.is_error():     # the client's grammar hit llguidance's limits
+            log.warning("request %s stopped by its grammar: %s", req.request_id, req.grammar.get_error())
+            req.error_param = req.params.structured.param if req.params.structured is not None else None
+        else:
+            log.error("request %s failed in the engine: %s: %s", req.request_id, type(error).__name__, error,
+                      exc_info=error)
         req.error = f"{type(error).__name__}: {error}"
         if not req.is_finished:
             self.scheduler.finish(req, "error")
@@ -564,7 +568,7 @@ class LLMEngine:
             finished=finished, finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids), num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=req.pending_logprobs if req.params.logprobs is not None else None,
-            stop_reason=req.stop_reason, error=req.error)
+            stop_reason=req.stop_reason, error=req.error, error_param=req.error_param)
         req.pending_token_ids, req.pending_logprobs = [], []
         if finished:
             self.requests.pop(req.request_id, None)

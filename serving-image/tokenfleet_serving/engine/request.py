@@ -45,6 +45,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
     error: str | None = None           # finish_reason "error": what failed (this request alone)
+    error_param: str | None = None     # the request field at fault, when the request was (its grammar): a 400
 
 
 class Request:
@@ -68,6 +69,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None      # set when the engine failed this request alone
+        self.error_param: str | None = None   # ... because of this field of its own (its structured output)
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:

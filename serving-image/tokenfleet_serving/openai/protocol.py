@@ -148,6 +148,14 @@ def _bool(body: dict, name: str) -> bool | None:
     return v
 
 
+def _stream_option(opts: dict, name: str) -> bool | None:
+    """A boolean of ``stream_options``; anything else (``"true"``, ``1``) is a 400 naming it."""
+    v = opts.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"stream_options.{name}", f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
 def _string(body: dict, name: str) -> str | None:
     v = body.get(name)
     if v is None:
@@ -242,7 +250,8 @@ def _common(body: dict) -> tuple[str, bool, bool, dict]:
         extra = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
         if extra:
             raise bad(f"stream_options.{extra[0]}", "is not a supported parameter")
-        include_usage = bool(_bool(opts, "include_usage"))
+        include_usage = bool(_stream_option(opts, "include_usage"))
+        _stream_option(opts, "continuous_usage_stats")
     bias = sampling_fields.logit_bias(body)
     if body.get("user") is not None:
         _string(body, "user")

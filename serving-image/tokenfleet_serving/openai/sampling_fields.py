@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from tokenfleet_serving.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from tokenfleet_serving.engine.structured.bounds import MAX_SCHEMA_DEPTH, json_depth
 from tokenfleet_serving.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 from .errors import bad
@@ -72,9 +73,12 @@ def structured_outputs(body: dict) -> StructuredOutputSpec | None:
     param, value = f"structured_outputs.{key}", so[key]
     if key == "json":
         if isinstance(value, str):
+            if json_depth(value) > MAX_SCHEMA_DEPTH:
+                raise bad(param, f"nests {json_depth(value)} objects or arrays deep; at most {MAX_SCHEMA_DEPTH} "
+                                 "levels are accepted")
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad(param, "must be a JSON schema (an object, or a string holding one)") from None
         if not isinstance(value, (dict, bool)):
             raise bad(param, "must be a JSON schema object")

@@ -9,6 +9,8 @@ timeout, aborts what is left after it, and sets ``stopped``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import hashlib
 import hmac
 import logging
 import threading
@@ -24,6 +26,7 @@ from tokenfleet_serving.engine.engine import EngineConfig, LLMEngine
 from tokenfleet_serving.engine.lora_manager import UnknownAdapter
 from tokenfleet_serving.engine.request import RequestOutput
 from tokenfleet_serving.engine.sampling_params import SamplingParams
+from tokenfleet_serving.engine.structured.sandbox import SandboxUnavailable
 from tokenfleet_serving.engine.structured.spec import StructuredOutputError
 from tokenfleet_serving.openai import protocol as P
 from tokenfleet_serving.openai.errors import ApiError, error_body
@@ -90,6 +93,8 @@ class Server:
         self._watchdog: asyncio.Task | None = None
         self.adapter_file: AdapterFile | None = None
         self._adapter_follower: asyncio.Task | None = None
+        # /cache/blocks reads the cache on its own thread: the router's poll never queues behind other work
+        self._cache_reader = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-blocks")
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -326,7 +331,8 @@ class Server:
                                   "--api-key (the router's key) to enable /cache/blocks")
         if self.engine is None:
             raise ApiError(503, "model is loading")
-        tiers = await asyncio.to_thread(self.engine.cached_block_hashes_by_tier)
+        tiers = await asyncio.get_running_loop().run_in_executor(self._cache_reader,
+                                                                 self.engine.cached_block_hashes_by_tier)
         hashes = tiers["accelerator"]
         return web.json_response({"model": self.config.served_model_names[0],
                                   "block_size": self.engine_loop.snapshot.stats.block_size,
@@ -380,10 +386,12 @@ class Server:
         try:
             for i, erid in enumerate(rids):
                 p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
-                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None, lora))
+                streams.append(await self._submit(erid, ids, p, req, rids[0] if i else None, lora,
+                                                  _client_of(request)))
         except StructuredOutputError as e:     # a grammar that does not compile (in time): the field at fault
             self._abort(rids[:len(streams)])
-            raise ApiError(400, e.message, e.param) from e
+            headers = {"Retry-After": str(self.config.retry_after_s)} if e.status == 429 else None
+            raise ApiError(e.status, e.message, e.param, headers=headers) from e
         except BaseException:
             self._abort(rids[:len(streams)])
             raise
@@ -404,9 +412,10 @@ class Server:
             self.engine_loop.abort(rid)
 
     async def _submit(self, rid: str, ids: list[int], params: SamplingParams, req: P.GenerationRequest,
-                      share_prompt_with: str | None, lora: str | None) -> asyncio.Queue:
+                      share_prompt_with: str | None, lora: str | None, client: str = "") -> asyncio.Queue:
         try:
-            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with, lora)
+            return await self.engine_loop.submit(rid, ids, params, req.continuation, share_prompt_with, lora,
+                                                 client)
         except QueueFullError as e:
             raise ApiError(429, f"server is at capacity: {e}",
                              headers={"Retry-After": str(self.config.retry_after_s)}) from e
@@ -414,6 +423,9 @@ class Server:
             raise ApiError(503, str(e)) from e
         except StructuredOutputError:
             raise
+        except SandboxUnavailable as e:   # the server's fault, not the grammar's
+            raise ApiError(503, f"structured outputs are unavailable: {e}",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from e
         except UnknownAdapter as e:   # unloaded since it was resolved
             raise lora_api.not_found(self, req.model) from e
         except ValueError as e:       # the engine refused it (ids, KV capacity); it names the problem
@@ -422,8 +434,24 @@ class Server:
             raise ApiError(500, f"the engine failed this request: {type(e).__name__}: {e}") from e
 
 
+def _client_of(request: web.Request) -> str:
+    """Who sent a request, for per-client bounds: its API key (hashed) and its peer. Behind the router every
+    client is the router."""
+    key = hashlib.sha256(request.headers.get("Authorization", "").encode()).hexdigest()[:16]
+    return f"{key}@{request.remote}"
+
+
 class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (finish_reason "error"); the others go on."""
+    """The engine failed this request alone (finish_reason "error"); the others go on. ``param``: the request's
+    own field at fault (its grammar hit llguidance's per-token limits): a 400 naming it, not a 500."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return 500 if self.param is None else 400
 
 
 class _Run:
@@ -458,7 +486,7 @@ class _Run:
             self.running_usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.finish_reason == "error":
                 self.finished = True
-                raise RequestFailedError(f"generation failed for this request: {out.error}")
+                raise RequestFailedError(f"generation failed for this request: {out.error}", out.error_param)
             if out.finished:
                 self.finished = True
                 self.usage = P.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
@@ -491,7 +519,7 @@ class _Run:
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from e
         except RequestFailedError as e:
-            raise ApiError(500, str(e)) from e
+            raise ApiError(e.status, str(e), e.param) from e
         logprobs = _merge_logprobs(lps, self.req.kind) if self.req.logprobs is not None else None
         make = P.chat_response if self.req.kind == "chat" else P.completion_response
         body = make(self.rid, self.model, self.created, "".join(text), reason, self.usage, logprobs)
@@ -571,7 +599,7 @@ async def _stream(request: web.Request, runs: list[_Run], streams: list[asyncio.
     except EngineDeadError as e:
         await send(error_body(503, str(e)))
     except RequestFailedError as e:
-        await send(error_body(500, str(e)))
+        await send(error_body(e.status, str(e), e.param))
     await resp.write(DONE_EVENT)
     await resp.write_eof()
     return resp

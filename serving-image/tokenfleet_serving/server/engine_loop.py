@@ -122,17 +122,18 @@ class EngineLoop:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      continuation=None, share_prompt_with: str | None = None,
-                     lora: str | None = None) -> asyncio.Queue:
+                     lora: str | None = None, client: str = "") -> asyncio.Queue:
         """Hand a request to the engine; returns the queue its outputs arrive on. A structured output's grammar
-        is compiled first on a worker thread (bounded in time), never on the step thread. ``lora``: the adapter
-        it runs with (None: the base model), read on a worker thread first when it is not in memory.
+        is compiled first by the grammar compiler's own workers (bounded in time, at most a few pending per
+        ``client``), awaited here without holding a thread, never on the step thread. ``lora``: the adapter it
+        runs with (None: the base model), read on a worker thread first when it is not in memory.
 
         Raises EngineDeadError, QueueFullError, or the engine's ValueError for a request it refuses
         (StructuredOutputError for a grammar it cannot compile in time).
         """
         grammar = lora_read = None
         if params.structured is not None:
-            grammar = await asyncio.to_thread(self.engine.compile_structured, params.structured)
+            grammar = await self._compiled(params.structured, client)
         if lora is not None:          # a registered adapter not in memory is read here, not on the step thread
             lora_read = await asyncio.to_thread(self.engine.prepare_lora, lora)
         if self.error is not None:
@@ -155,6 +156,18 @@ class EngineLoop:
             self.abort(request_id)    # cancelled after the engine took it: do not leave it running
             raise
         return stream
+
+    async def _compiled(self, spec, client: str):
+        """The compiled grammar of ``spec``; StructuredOutputError after the compiler's timeout. Waiting does
+        not cancel the compile: another request may share it, and it lands in the cache for the next."""
+        compiler = self.engine.grammar_compiler
+        compiling = asyncio.wrap_future(compiler.submit(spec, client))
+        # a failure nobody waits for any more (timed out, client gone) is retrieved here: no asyncio warning
+        compiling.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done, _ = await asyncio.wait({compiling}, timeout=compiler.timeout_s)
+        if not done:
+            raise compiler.timed_out(spec)
+        return compiling.result()
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its stream is dropped (nobody reads it)."""

@@ -38,6 +38,9 @@ def test_response_format_kinds_become_specs():
     ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": True}, "n"),
     ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"1": -100.5}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "true"}}, "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_name_themselves(fields, param):
     with pytest.raises(ApiError) as e:

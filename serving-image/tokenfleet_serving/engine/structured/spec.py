@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+from . import bounds
+
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -17,7 +19,8 @@ MAX_CHOICES = 1024
 
 class StructuredOutputError(ValueError):
     """A spec the engine cannot serve (too large, invalid, not compilable in time). ``param`` names the
-    request field it came from, so the API answers a 400 naming it."""
+    request field it came from, so the API answers a 400 naming it (``status``)."""
+    status = 400
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
@@ -44,12 +47,18 @@ class StructuredOutputSpec:
         if size > MAX_SPEC_BYTES:
             raise StructuredOutputError(self.param, f"is {size} bytes; at most {MAX_SPEC_BYTES} are accepted")
         if self.kind == "json_schema":
+            _check_schema_depth(self.param, bounds.json_depth(self.value))
             try:
                 schema = json.loads(self.value)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise StructuredOutputError(self.param, f"the schema is not valid JSON ({e})") from None
             if not isinstance(schema, (dict, bool)):
                 raise StructuredOutputError(self.param, "the schema must be a JSON object")
+            chain = bounds.schema_ref_depth(schema)
+            if chain > bounds.MAX_SCHEMA_REF_DEPTH:
+                raise StructuredOutputError(self.param, f"the schema's $ref chain is {chain} deep (each definition "
+                                                        f"counting 1 plus its nesting); at most "
+                                                        f"{bounds.MAX_SCHEMA_REF_DEPTH} is accepted")
         elif self.kind == "choice":
             if not self.choices or len(self.choices) > MAX_CHOICES:
                 raise StructuredOutputError(self.param, f"choice needs 1 to {MAX_CHOICES} strings")
@@ -57,10 +66,14 @@ class StructuredOutputSpec:
                 raise StructuredOutputError(self.param, "every choice must be a non-empty string")
         elif self.kind in ("regex", "grammar") and not self.value:
             raise StructuredOutputError(self.param, f"{self.kind} must not be empty")
+        elif self.kind == "grammar":
+            _check_grammar_shape(self.param, self.value)
 
     @classmethod
     def json_schema(cls, schema: dict | bool | str, strict: bool = True, param: str = "response_format"
                     ) -> StructuredOutputSpec:
+        if not isinstance(schema, str):
+            _check_schema_depth(param, bounds.value_depth(schema))
         text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))   # keys in order
         return cls("json_schema", text, strict=strict, param=param)
 
@@ -68,3 +81,21 @@ class StructuredOutputSpec:
     def key(self) -> tuple:
         """What the compiled grammar depends on (the cache key)."""
         return (self.kind, self.value, self.choices, self.strict)
+
+
+def _check_schema_depth(param: str, depth: int) -> None:
+    if depth > bounds.MAX_SCHEMA_DEPTH:
+        raise StructuredOutputError(param, f"the schema nests {depth} objects or arrays deep; at most "
+                                           f"{bounds.MAX_SCHEMA_DEPTH} levels are accepted")
+
+
+def _check_grammar_shape(param: str, text: str) -> None:
+    """Bounded before compiling: llguidance recurses over the rules (bounds.py)."""
+    rules = bounds.grammar_rules(text)
+    if len(rules) > bounds.MAX_GRAMMAR_RULES:
+        raise StructuredOutputError(param, f"the grammar defines {len(rules)} rules; at most "
+                                           f"{bounds.MAX_GRAMMAR_RULES} are accepted")
+    depth = bounds.grammar_depth(rules)
+    if depth > bounds.MAX_GRAMMAR_DEPTH:
+        raise StructuredOutputError(param, f"the grammar's rules chain {depth} deep (each rule counting 1 plus its "
+                                           f"nesting of parentheses); at most {bounds.MAX_GRAMMAR_DEPTH} is accepted")
