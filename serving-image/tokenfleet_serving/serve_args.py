@@ -46,15 +46,29 @@ def non_negative_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return v
 
 
-def _positive_float(text: str) -> float:
+# The longest wait or interval any flag takes: a day. The server waits on threads and sockets with these, and
+# the platform refuses a timeout past ~292 years (OverflowError at the first wait, a 500 for every request that
+# waits); no deployment needs more than a day.
+MAX_SECONDS = 86400.0
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, > 0 and at most MAX_SECONDS."""
     v = float(text)
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    if not 0 < v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_SECONDS:g}], got {text}")
+    return v
+
+
+def _non_negative_seconds(text: str) -> float:
+    v = float(text)
+    if not 0 <= v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be seconds in [0, {MAX_SECONDS:g}], got {text}")
     return v
 
 
@@ -132,16 +146,16 @@ class ServeArgs:
     max_prompt_tokens: int | None = _flag(type=positive_int, help="default: context - 1")
     max_tokens_limit: int | None = _flag(type=positive_int, help="largest max_tokens accepted")
     max_queue: int = _flag(256, type=positive_int, help="waiting requests beyond this get 429 with Retry-After")
-    drain_timeout: float = _flag(25.0, type=_non_negative_float,
+    drain_timeout: float = _flag(25.0, type=_non_negative_seconds,
                                  help="seconds SIGTERM waits for in-flight requests before aborting them")
     header_timeout: float = _flag(
-        10.0, type=_positive_float,
+        10.0, type=_seconds,
         help="seconds a client has, from connecting or from the first byte of a request, to send the "
              "request line and headers; then 408 and the connection is closed")
-    body_timeout: float = _flag(30.0, type=_positive_float,
+    body_timeout: float = _flag(30.0, type=_seconds,
                                 help="seconds a client has to send the whole request body after its headers; then 408")
     engine_stall_timeout: float = _flag(
-        120.0, type=_positive_float,
+        120.0, type=_seconds,
         help="an engine step running longer than this is a stuck engine: in-flight requests get 503 "
              "and /health fails, so the pod is restarted")
     price_per_hour: float | None = _flag(type=_non_negative_float,
@@ -187,7 +201,7 @@ class ServeArgs:
         help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto; this flag "
              "needs it")
     structured_output_timeout: float = _flag(
-        10.0, type=_positive_float,
+        10.0, type=_seconds,
         help="seconds a request's grammar (response_format, structured_outputs, a required tool choice) may take "
              "to compile, on a worker thread; then the request is a 400 and the engine serves on")
     structured_output_cache_size: int = _flag(256, type=positive_int,
@@ -207,7 +221,7 @@ class ServeArgs:
         help="this replica's directory in that store (default: the host name); a replacement "
              "given the same name starts from its predecessor's blocks")
     prefix_checkpoint_interval: float = _flag(
-        60.0, type=_positive_float, group=WARM_RESTART,
+        60.0, type=_seconds, group=WARM_RESTART,
         help="seconds between saves (a save writes only the hottest blocks the store lacks)")
     prefix_checkpoint_max_mb: int = _flag(256, type=positive_int, group=WARM_RESTART,
                                           help="most megabytes of KV blocks a save writes, and a start loads into "
@@ -259,7 +273,7 @@ class ServeArgs:
         help="serve no OpenAI API, only /health and /metrics on --port, and run this host's ranks "
              "(every --node-rank > 0)")
     distributed_timeout_seconds: float = _flag(
-        60.0, type=_positive_float, group=PARALLEL,
+        60.0, type=_seconds, group=PARALLEL,
         help="bound for joining the replica and for every collective; a rank that cannot reach the "
              "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
     log_level: str = _flag("info")
@@ -283,6 +297,14 @@ class ServeArgs:
             return "--lora-modules needs --enable-lora"
         if self.lora_modules_file and not self.enable_lora:
             return "--lora-modules-file needs --enable-lora"
+        if self.enable_lora and (self.kv_offload_disk_path or self.prefix_checkpoint_dir):
+            tier = "--kv-offload-disk-path" if self.kv_offload_disk_path else "--prefix-checkpoint-dir, warm restart's store"
+            return (f"--enable-lora with a KV disk tier ({tier}) is not implemented yet: an unloaded adapter's "
+                    "blocks on disk could not be forgotten")
+        speculative = [flag_name(f) for f in ("num_speculative_tokens", "speculative_draft_model", "prompt_lookup_min",
+                                              "prompt_lookup_max") if getattr(self, f) is not None]
+        if speculative and self.speculative_method is None:
+            return f"{', '.join(speculative)} need --speculative-method"
         budgets = [f for f, v in (("--kv-cache-mb", self.kv_cache_mb), ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
                                   ("--gpu-memory-utilization", self.gpu_memory_utilization)) if v is not None]
         if len(budgets) > 1:
