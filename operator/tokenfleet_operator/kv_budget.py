@@ -87,6 +87,42 @@ def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
     return KVBudget(flags, field, utilization=utilization, memory_bytes=memory)
 
 
+def rank_memory_bytes(spec: InferenceServiceSpec) -> tuple[int, str] | None:
+    """(bytes, what they are) of the memory one rank has, when the operator knows it: the container's memory
+    limit on CPU, else accelerator.memoryPerDevice or the table's figure for accelerator.type."""
+    acc = spec.accelerator
+    if acc.type == "cpu":
+        limit = _memory_limit(spec)
+        return None if limit is None else (limit, "spec.resources.limits.memory")
+    if acc.memory_per_device is not None:
+        stated = _bytes(acc.memory_per_device)
+        return None if stated is None else (stated, "spec.accelerator.memoryPerDevice")
+    table = accelerator_memory_bytes(acc.type)
+    return None if table is None else (table, f"the memory of one {acc.type}")
+
+
+def kv_budget_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None:
+    """(field, message) when an explicit budget (kvCacheMemory, kvCacheMb) is more than a rank's memory holds
+    (the operator's condition KVCacheTooLarge): the server could not allocate it and would exit at start.
+    None when it fits, when the budget is a fraction, or when the operator does not know the memory (CPU
+    without a memory limit, an accelerator type outside the table: the server checks it at start)."""
+    budget = kv_budget(spec)
+    memory = rank_memory_bytes(spec)
+    if budget.bytes_per_rank is None or memory is None or budget.bytes_per_rank <= memory[0]:
+        return None
+    return (budget.field,
+            f"{_human(budget.bytes_per_rank)} of KV cache per rank is more than a rank has: {_human(memory[0])} "
+            f"({memory[1]}); the server could not allocate it. Lower {budget.field}, or use "
+            "spec.engine.acceleratorMemoryUtilization to size the cache from the memory")
+
+
+def _human(size: int) -> str:
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.4g} {unit}"
+    return f"{size} bytes"
+
+
 def kv_budget_error(spec: InferenceServiceSpec, shape: ModelShape | None) -> tuple[str, str] | None:
     """(field, message) when the budget certainly cannot hold one context of engine.maxModelLen (the operator's
     condition KVCacheTooSmall); None when it can, or without the model's shape or a maxModelLen to check."""
