@@ -532,13 +532,6 @@ class InferenceServiceSpec(ApiModel):
             field_path=".warmRestart.enabled",
         ),
         rule(
-            "!self.warmRestart.enabled || !has(self.slicePolicy.checkpoint) || "
-            "self.slicePolicy.checkpoint.store.matches('^(pvc|hostpath|file)://')",
-            "warmRestart saves to a file system: slicePolicy.checkpoint.store must be pvc://, hostpath:// or file:// "
-            "(s3:// and gs:// are not supported for it)",
-            field_path=".slicePolicy.checkpoint.store",
-        ),
-        rule(
             "!has(self.engine.tensorParallelSize) || !has(self.engine.pipelineParallelSize) || "
             "self.engine.tensorParallelSize * self.engine.pipelineParallelSize == "
             "self.accelerator.countPerHost * self.accelerator.hostsPerReplica",
