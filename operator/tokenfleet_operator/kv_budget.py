@@ -32,6 +32,7 @@ from tokenfleet_serving.contract.kv_budget import (
     budget_from_memory,
     shortfall,
 )
+from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, parse_serve_args
 
 BUDGET_FLAGS = ("--kv-cache-mb", "--kv-cache-memory-bytes", "--gpu-memory-utilization")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
@@ -60,6 +61,22 @@ def _extra_sets_budget(spec: InferenceServiceSpec) -> bool:
     return any(arg.split("=", 1)[0] in BUDGET_FLAGS for arg in spec.engine.extra_args or [])
 
 
+def _extra_args(spec: InferenceServiceSpec) -> ServeArgs | None:
+    """engine.extraArgs as the server reads them (None when its parser refuses them: the argument check names
+    that)."""
+    try:
+        return parse_serve_args(["--model", "m", *(spec.engine.extra_args or [])])
+    except ServeArgsError:
+        return None
+
+
+def _extra_budget_bytes(spec: InferenceServiceSpec) -> int | None:
+    args = _extra_args(spec)
+    if args is None or (args.kv_cache_mb is None and args.kv_cache_memory_bytes is None):
+        return None
+    return args.kv_cache_bytes
+
+
 def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
     """How each rank's KV budget is set (see the module's doc)."""
     eng, acc = spec.engine, spec.accelerator
@@ -72,7 +89,7 @@ def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
     if eng.accelerator_memory_utilization is not None:
         utilization, field = eng.accelerator_memory_utilization, "spec.engine.acceleratorMemoryUtilization"
     elif _extra_sets_budget(spec):
-        return KVBudget((), "spec.engine.extraArgs")
+        return KVBudget((), "spec.engine.extraArgs", bytes_per_rank=_extra_budget_bytes(spec))
     elif acc.type != "cpu" or _memory_limit(spec) is not None:
         utilization, field = DEFAULT_UTILIZATION, "spec.engine.acceleratorMemoryUtilization (default 0.9)"
     else:
@@ -114,6 +131,22 @@ def kv_budget_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None
             f"{_human(budget.bytes_per_rank)} of KV cache per rank is more than a rank has: {_human(memory[0])} "
             f"({memory[1]}); the server could not allocate it. Lower {budget.field}, or use "
             "spec.engine.acceleratorMemoryUtilization to size the cache from the memory")
+
+
+def host_tier_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None:
+    """(field, message) when the KV host tier (engine.kvOffload.hostMemory, or --kv-offload-host-mb in
+    extraArgs) is more than the container's memory limit: the server could never hold it."""
+    limit = _memory_limit(spec)
+    offload = spec.engine.kv_offload
+    size, field = (_bytes(offload.host_memory), "spec.engine.kvOffload.hostMemory") \
+        if offload is not None and offload.host_memory is not None else (None, "")
+    args = _extra_args(spec) if any(a.startswith("--kv-offload-host-mb") for a in spec.engine.extra_args or []) else None
+    if args is not None and args.kv_offload_host_mb:
+        size, field = args.kv_offload_host_mb << 20, "spec.engine.extraArgs"
+    if limit is None or size is None or size <= limit:
+        return None
+    return (field, f"a KV host tier of {_human(size)} is more than the container's memory limit "
+                   f"(spec.resources.limits.memory, {_human(limit)}); lower it, or raise the limit by as much")
 
 
 def _human(size: int) -> str:

@@ -225,8 +225,8 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
             f"the bundled serving image {spec.image} does not implement pipeline parallelism yet; leave "
             f"pipelineParallelSize unset (or 1): the replica's {sizes.world} accelerators then run "
             f"tensorParallelSize {sizes.world}, or set spec.image to a server that implements it")]
-    from tokenfleet_operator.kv_budget import kv_budget_error, kv_budget_memory_error  # (it imports the API too)
-    too_large = kv_budget_memory_error(spec)
+    from tokenfleet_operator.kv_budget import host_tier_memory_error, kv_budget_error, kv_budget_memory_error
+    too_large = kv_budget_memory_error(spec) or host_tier_memory_error(spec)      # (kv_budget imports the API too)
     if too_large is not None:
         return [Problem("KVCacheTooLarge", *too_large)]
     if shape is None:

@@ -37,13 +37,6 @@ def positive_int(text: str) -> int:
     return v
 
 
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def _non_negative_float(text: str) -> float:
     v = float(text)
     if not 0 <= v < float("inf"):
@@ -63,6 +56,37 @@ def _seconds(text: str) -> float:
     if not 0 < v <= MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_SECONDS:g}], got {text}")
     return v
+
+
+# The largest memory a flag may size: 1 PiB, more than any host or accelerator holds. A larger size could only
+# fail at start (or overflow the allocation's arithmetic); the operator checks sizes against the memory it
+# knows (kv_budget.py) below this.
+MAX_BYTES = 1 << 50
+MAX_THREADS = 4096
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
+
+
+def _bounded_int(low: int, high: int, unit: str = ""):
+    """argparse type: an int in [low, high]."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}]{unit}, got {v}")
+        return v
+    return parse
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.lower()
+
+
+def _device(text: str) -> str:
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -161,23 +185,26 @@ class ServeArgs:
     price_per_hour: float | None = _flag(type=_non_negative_float,
                                          help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     dtype: str = _flag("auto")
-    device: str = _flag("auto")
-    kv_cache_mb: int | None = _flag(type=positive_int, help="KV cache per rank in MiB (default 512, unless "
-                                    "--kv-cache-memory-bytes or --gpu-memory-utilization sizes it)")
-    kv_cache_memory_bytes: int | None = _flag(type=positive_int, help="KV cache per rank in bytes (vLLM's flag)")
+    device: str = _flag("auto", type=_device, help="auto (an accelerator when there is one), cpu, cuda or cuda:N")
+    kv_cache_mb: int | None = _flag(type=_bounded_int(1, MAX_BYTES >> 20, " MiB"),
+                                    help="KV cache per rank in MiB (default 512, unless --kv-cache-memory-bytes or "
+                                         "--gpu-memory-utilization sizes it)")
+    kv_cache_memory_bytes: int | None = _flag(type=_bounded_int(1, MAX_BYTES, " bytes"),
+                                              help="KV cache per rank in bytes (vLLM's flag)")
     gpu_memory_utilization: float | None = _flag(
         type=_fraction,
         help="size the KV cache per rank as this fraction of the accelerator's memory (on CPU: of the memory "
              "limit) less the rank's weights and 1 GiB of headroom (vLLM's flag)")
     accelerator_memory_bytes: int | None = _flag(
-        type=positive_int, help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization "
-                                "takes a fraction of (default: what the device or the cgroup reports)")
+        type=_bounded_int(1, MAX_BYTES, " bytes"),
+        help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization takes a fraction "
+             "of (default: what the device or the cgroup reports)")
     block_size: int = _flag(16, type=positive_int)
     max_num_seqs: int = _flag(256, type=positive_int)
     max_num_batched_tokens: int = _flag(2048, type=positive_int)
     max_model_len: int | None = _flag(type=positive_int)
     no_prefix_caching: bool = _flag(False, action="store_true")
-    num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
+    num_threads: int | None = _flag(type=_bounded_int(1, MAX_THREADS), help="CPU threads for torch")
     quantization: str = _flag("none", type=_quantization,
                               help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
     kv_cache_dtype: str = _flag("auto", type=_kv_cache_dtype,
@@ -231,7 +258,7 @@ class ServeArgs:
         help="the model's revision, which a stored KV block must match to be loaded (default: a "
              "fingerprint of the weight files)")
     kv_offload_host_mb: int = _flag(
-        0, type=non_negative_int, group=KV_OFFLOAD,
+        0, type=_bounded_int(0, MAX_BYTES >> 20, " MiB"), group=KV_OFFLOAD,
         help="host memory (MiB) that keeps prefix-cache blocks evicted from the accelerator's KV cache, with "
              "their hashes, so a later hit copies them back instead of recomputing them (pinned on CUDA); 0: off")
     kv_offload_disk_path: str | None = _flag(
@@ -239,7 +266,7 @@ class ServeArgs:
         help="directory of a disk tier below the host tier (one checksummed file per block); a replica that "
              "mounts the directory of the one it replaces starts with the tier filled. Unwritable or full: the "
              "tier switches itself off and serving goes on")
-    kv_offload_disk_mb: int = _flag(4096, type=positive_int, group=KV_OFFLOAD,
+    kv_offload_disk_mb: int = _flag(4096, type=_bounded_int(1, MAX_BYTES >> 20, " MiB"), group=KV_OFFLOAD,
                                     help="most MiB of block files the disk tier keeps (least recently used go first)")
     enable_lora: bool = _flag(False, action="store_true", group=LORA, help="serve LoRA adapters of this model")
     lora_modules: tuple[tuple[str, str], ...] | None = _flag(
@@ -276,7 +303,7 @@ class ServeArgs:
         60.0, type=_seconds, group=PARALLEL,
         help="bound for joining the replica and for every collective; a rank that cannot reach the "
              "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
-    log_level: str = _flag("info")
+    log_level: str = _flag("info", type=_log_level)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServeArgs:

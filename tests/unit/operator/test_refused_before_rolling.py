@@ -129,3 +129,32 @@ def test_object_store_checkpoints_are_refused_naming_the_field_and_the_stores_th
     problem = refused.value.problem
     assert (problem.reason, problem.field) == ("InvalidSpec", "spec.slicePolicy.checkpoint.store")
     assert "s3:// and gs:// are not supported" in problem.message and "file:///PATH" in problem.message
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--log-level", "loud"], "--log-level"),                 # logging.basicConfig raised at start
+    (["--device", "x"], "--device"),                          # torch.device raised at start
+    (["--num-threads", "99999999999999999999"], "--num-threads"),
+    (["--kv-offload-host-mb", "99999999999999999999"], "--kv-offload-host-mb"),
+    (["--kv-offload-disk-mb", "99999999999999999999"], "--kv-offload-disk-mb"),
+    (["--kv-cache-mb", "99999999999999999999"], "--kv-cache-mb"),
+])
+def test_extra_args_values_that_could_only_fail_at_start_are_refused_naming_the_flag(extra, flag):
+    problem = only(check_inference_service(spec(engine={"extraArgs": extra})))
+    assert (problem.reason, problem.field) == ("InvalidEngineArgs", "spec.engine.extraArgs")
+    assert flag in problem.message
+
+
+def test_a_kv_budget_or_host_tier_in_extra_args_is_held_to_the_ranks_memory():
+    budget = only(check_inference_service(spec(engine={"extraArgs": ["--kv-cache-mb", "1048576"]})))   # 1 TiB
+    assert (budget.reason, budget.field) == ("KVCacheTooLarge", "spec.engine.extraArgs")
+    assert check_inference_service(spec(engine={"extraArgs": ["--kv-cache-mb", "4096"]})) == []
+    cpu = {"type": "cpu", "countPerHost": 1}
+    host = only(check_inference_service(spec(cpu, resources={"limits": {"memory": "4Gi"}},
+                                             engine={"kvOffload": {"hostMemory": "8Gi"}})))
+    assert (host.reason, host.field) == ("KVCacheTooLarge", "spec.engine.kvOffload.hostMemory")
+    extra = only(check_inference_service(spec(cpu, resources={"limits": {"memory": "4Gi"}},
+                                              engine={"extraArgs": ["--kv-offload-host-mb", "8192"]})))
+    assert (extra.reason, extra.field) == ("KVCacheTooLarge", "spec.engine.extraArgs")
+    assert check_inference_service(spec(cpu, resources={"limits": {"memory": "4Gi"}},
+                                        engine={"kvOffload": {"hostMemory": "1Gi"}})) == []
