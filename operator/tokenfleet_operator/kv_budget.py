@@ -127,9 +127,11 @@ def kv_budget_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None
     memory = rank_memory_bytes(spec)
     if budget.bytes_per_rank is None or memory is None or budget.bytes_per_rank <= memory[0]:
         return None
+    what = budget.field if budget.field != "spec.engine.extraArgs" else \
+        "--kv-cache-mb / --kv-cache-memory-bytes in spec.engine.extraArgs"
     return (budget.field,
             f"{_human(budget.bytes_per_rank)} of KV cache per rank is more than a rank has: {_human(memory[0])} "
-            f"({memory[1]}); the server could not allocate it. Lower {budget.field}, or use "
+            f"({memory[1]}); the server could not allocate it. Lower {what}, or use "
             "spec.engine.acceleratorMemoryUtilization to size the cache from the memory")
 
 
@@ -145,7 +147,8 @@ def host_tier_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None
         size, field = args.kv_offload_host_mb << 20, "spec.engine.extraArgs"
     if limit is None or size is None or size <= limit:
         return None
-    return (field, f"a KV host tier of {_human(size)} is more than the container's memory limit "
+    flag = " (--kv-offload-host-mb)" if field == "spec.engine.extraArgs" else ""
+    return (field, f"a KV host tier of {_human(size)}{flag} is more than the container's memory limit "
                    f"(spec.resources.limits.memory, {_human(limit)}); lower it, or raise the limit by as much")
 
 
