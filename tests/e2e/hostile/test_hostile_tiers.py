@@ -120,7 +120,7 @@ def test_a_block_swapped_for_a_2_gib_file_is_not_read(tiny_model, saved, tmp_pat
                 f.truncate(2 << 30)
         text, cached, took = complete(srv, SHARED + "one")
         assert (text, cached) == (saved["answer"], 0)
-        assert took < cold + 2.0, f"{took:.2f} s against {cold:.2f} s without the tier"
+        assert took < cold + 5.0, f"{took:.2f} s against {cold:.2f} s without the tier"
         assert errors(srv, "corrupt") >= 1
     finally:
         srv.close()

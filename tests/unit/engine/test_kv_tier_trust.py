@@ -94,7 +94,7 @@ def test_a_file_of_the_wrong_size_is_never_read(tmp_path):
         f.truncate(2 << 30)
     started = time.monotonic()
     assert t.load(recs[0].hash) is None
-    assert time.monotonic() - started < 0.5 and counters.errors == {"corrupt": 1}
+    assert time.monotonic() - started < 1.0 and counters.errors == {"corrupt": 1}
     t.close()
     with open(file_of(tmp_path, recs[1]), "r+b") as f:
         f.truncate(FIXED_BYTES + 4 * TOKENS + 256 + 1)                 # off by one byte
