@@ -33,10 +33,13 @@ SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined
 DEFAULT_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
 
 # pvc://CLAIM[/PATH], hostpath:///PATH, file:///PATH; no ".." segments, no host or file path that is "/" itself.
-# Object stores (s3://, gs://) are refused: nothing in tokenfleet reads or writes them (the batch worker and warm
-# restart need a file system), so a Slice given one would run without the checkpoints it asked for.
+# Object stores (s3://, gs://) are refused by a CEL rule with its own message (STORE_SCHEMES): nothing in
+# tokenfleet reads or writes them (the batch worker and warm restart need a file system), so a Slice given one
+# would run without the checkpoints it asked for. The pattern still takes their shape, because the API server
+# checks no CEL rule of an object that fails a pattern, and its pattern error would not say which stores there are.
 STORE_PATTERN = (
-    rf"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/{PATH_SEGMENT})*/?|(hostpath|file)://(/{PATH_SEGMENT})+/?)$"
+    rf"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/{PATH_SEGMENT})*/?|(hostpath|file)://(/{PATH_SEGMENT})+/?|"
+    r"(s3|gs)://\S+)$"
 )
 STORE_SCHEMES = ("pvc", "hostpath", "file")
 UNSUPPORTED_STORE = ("must be a file system store: pvc://CLAIM[/PATH], hostpath:///PATH or file:///PATH (s3:// and "
