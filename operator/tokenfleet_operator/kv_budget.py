@@ -32,6 +32,7 @@ from tokenfleet_serving.contract.kv_budget import (
     budget_from_memory,
     shortfall,
 )
+from tokenfleet_serving.serve_args import ServeArgs, ServeArgsError, parse_serve_args
 
 BUDGET_FLAGS = ("--kv-cache-mb", "--kv-cache-memory-bytes", "--gpu-memory-utilization")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
@@ -60,6 +61,22 @@ def _extra_sets_budget(spec: InferenceServiceSpec) -> bool:
     return any(arg.split("=", 1)[0] in BUDGET_FLAGS for arg in spec.engine.extra_args or [])
 
 
+def _extra_args(spec: InferenceServiceSpec) -> ServeArgs | None:
+    """engine.extraArgs as the server reads them (None when its parser refuses them: the argument check names
+    that)."""
+    try:
+        return parse_serve_args(["--model", "m", *(spec.engine.extra_args or [])])
+    except ServeArgsError:
+        return None
+
+
+def _extra_budget_bytes(spec: InferenceServiceSpec) -> int | None:
+    args = _extra_args(spec)
+    if args is None or (args.kv_cache_mb is None and args.kv_cache_memory_bytes is None):
+        return None
+    return args.kv_cache_bytes
+
+
 def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
     """How each rank's KV budget is set (see the module's doc)."""
     eng, acc = spec.engine, spec.accelerator
@@ -72,7 +89,7 @@ def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
     if eng.accelerator_memory_utilization is not None:
         utilization, field = eng.accelerator_memory_utilization, "spec.engine.acceleratorMemoryUtilization"
     elif _extra_sets_budget(spec):
-        return KVBudget((), "spec.engine.extraArgs")
+        return KVBudget((), "spec.engine.extraArgs", bytes_per_rank=_extra_budget_bytes(spec))
     elif acc.type != "cpu" or _memory_limit(spec) is not None:
         utilization, field = DEFAULT_UTILIZATION, "spec.engine.acceleratorMemoryUtilization (default 0.9)"
     else:
@@ -85,6 +102,61 @@ def kv_budget(spec: InferenceServiceSpec) -> KVBudget:
         if memory is not None:
             flags += ("--accelerator-memory-bytes", str(memory))
     return KVBudget(flags, field, utilization=utilization, memory_bytes=memory)
+
+
+def rank_memory_bytes(spec: InferenceServiceSpec) -> tuple[int, str] | None:
+    """(bytes, what they are) of the memory one rank has, when the operator knows it: the container's memory
+    limit on CPU, else accelerator.memoryPerDevice or the table's figure for accelerator.type."""
+    acc = spec.accelerator
+    if acc.type == "cpu":
+        limit = _memory_limit(spec)
+        return None if limit is None else (limit, "spec.resources.limits.memory")
+    if acc.memory_per_device is not None:
+        stated = _bytes(acc.memory_per_device)
+        return None if stated is None else (stated, "spec.accelerator.memoryPerDevice")
+    table = accelerator_memory_bytes(acc.type)
+    return None if table is None else (table, f"the memory of one {acc.type}")
+
+
+def kv_budget_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None:
+    """(field, message) when an explicit budget (kvCacheMemory, kvCacheMb) is more than a rank's memory holds
+    (the operator's condition KVCacheTooLarge): the server could not allocate it and would exit at start.
+    None when it fits, when the budget is a fraction, or when the operator does not know the memory (CPU
+    without a memory limit, an accelerator type outside the table: the server checks it at start)."""
+    budget = kv_budget(spec)
+    memory = rank_memory_bytes(spec)
+    if budget.bytes_per_rank is None or memory is None or budget.bytes_per_rank <= memory[0]:
+        return None
+    what = budget.field if budget.field != "spec.engine.extraArgs" else \
+        "--kv-cache-mb / --kv-cache-memory-bytes in spec.engine.extraArgs"
+    return (budget.field,
+            f"{_human(budget.bytes_per_rank)} of KV cache per rank is more than a rank has: {_human(memory[0])} "
+            f"({memory[1]}); the server could not allocate it. Lower {what}, or use "
+            "spec.engine.acceleratorMemoryUtilization to size the cache from the memory")
+
+
+def host_tier_memory_error(spec: InferenceServiceSpec) -> tuple[str, str] | None:
+    """(field, message) when the KV host tier (engine.kvOffload.hostMemory, or --kv-offload-host-mb in
+    extraArgs) is more than the container's memory limit: the server could never hold it."""
+    limit = _memory_limit(spec)
+    offload = spec.engine.kv_offload
+    size, field = (_bytes(offload.host_memory), "spec.engine.kvOffload.hostMemory") \
+        if offload is not None and offload.host_memory is not None else (None, "")
+    args = _extra_args(spec) if any(a.startswith("--kv-offload-host-mb") for a in spec.engine.extra_args or []) else None
+    if args is not None and args.kv_offload_host_mb:
+        size, field = args.kv_offload_host_mb << 20, "spec.engine.extraArgs"
+    if limit is None or size is None or size <= limit:
+        return None
+    flag = " (--kv-offload-host-mb)" if field == "spec.engine.extraArgs" else ""
+    return (field, f"a KV host tier of {_human(size)}{flag} is more than the container's memory limit "
+                   f"(spec.resources.limits.memory, {_human(limit)}); lower it, or raise the limit by as much")
+
+
+def _human(size: int) -> str:
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.4g} {unit}"
+    return f"{size} bytes"
 
 
 def kv_budget_error(spec: InferenceServiceSpec, shape: ModelShape | None) -> tuple[str, str] | None:

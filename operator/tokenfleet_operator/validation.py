@@ -225,9 +225,12 @@ def parallel_problems(spec: InferenceServiceSpec, shape: ModelShape | None = Non
             f"the bundled serving image {spec.image} does not implement pipeline parallelism yet; leave "
             f"pipelineParallelSize unset (or 1): the replica's {sizes.world} accelerators then run "
             f"tensorParallelSize {sizes.world}, or set spec.image to a server that implements it")]
+    from tokenfleet_operator.kv_budget import host_tier_memory_error, kv_budget_error, kv_budget_memory_error
+    too_large = kv_budget_memory_error(spec) or host_tier_memory_error(spec)      # (kv_budget imports the API too)
+    if too_large is not None:
+        return [Problem("KVCacheTooLarge", *too_large)]
     if shape is None:
         return []
-    from tokenfleet_operator.kv_budget import kv_budget_error  # (it imports the API, as this module does)
     split = [Problem("ModelNotSplittable", field, message) for field, message in split_errors(sizes, shape)]
     too_small = kv_budget_error(spec, shape) if not split else None
     return split + ([Problem("KVCacheTooSmall", *too_small)] if too_small else [])
@@ -262,6 +265,26 @@ def adapter_problems(spec: InferenceServiceSpec) -> list[Problem]:
             f"the bundled serving image does not implement LoRA adapters on a replica split over {sizes.world} ranks "
             "(spec.engine.tensorParallelSize, from accelerator.countPerHost * accelerator.hostsPerReplica) yet; "
             "serve adapters from replicas of one accelerator, or remove spec.adapters")]
+    return _adapters_with_disk_tier(spec)
+
+
+def _adapters_with_disk_tier(spec: InferenceServiceSpec) -> list[Problem]:
+    """The bundled engine refuses LoRA adapters beside a KV disk tier (engine.py, ``_attach_offload``: a block of
+    an unloaded adapter could not be forgotten on disk), and warm restart's store is a disk tier: every replica
+    would exit 1 at start."""
+    if spec.warm_restart.enabled:
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            "the bundled serving image does not implement LoRA adapters with spec.warmRestart.enabled yet (warm "
+            "restart keeps the prefix cache in a KV disk tier, where an unloaded adapter's blocks could not be "
+            "forgotten): every replica would exit at start; remove spec.adapters or disable warmRestart")]
+    if spec.engine.kv_offload is not None and spec.engine.kv_offload.disk_path is not None:
+        return [Problem(
+            "NotInServingImage", "spec.adapters",
+            "the bundled serving image does not implement LoRA adapters with a KV disk tier "
+            "(spec.engine.kvOffload.diskPath) yet (an unloaded adapter's blocks on disk could not be forgotten): "
+            "every replica would exit at start; remove spec.adapters or kvOffload.diskPath (a host tier, "
+            "kvOffload.hostMemory, is fine)")]
     return []
 
 

@@ -37,24 +37,62 @@ def positive_int(text: str) -> int:
     return v
 
 
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def _non_negative_float(text: str) -> float:
     v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return v
 
 
-def _positive_float(text: str) -> float:
+# The longest wait or interval any flag takes: a day. The server waits on threads and sockets with these, and
+# the platform refuses a timeout past ~292 years (OverflowError at the first wait, a 500 for every request that
+# waits); no deployment needs more than a day.
+MAX_SECONDS = 86400.0
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, > 0 and at most MAX_SECONDS."""
     v = float(text)
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    if not 0 < v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_SECONDS:g}], got {text}")
+    return v
+
+
+# The largest memory a flag may size: 1 PiB, more than any host or accelerator holds. A larger size could only
+# fail at start (or overflow the allocation's arithmetic); the operator checks sizes against the memory it
+# knows (kv_budget.py) below this.
+MAX_BYTES = 1 << 50
+MAX_THREADS = 4096
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
+
+
+def _bounded_int(low: int, high: int, unit: str = ""):
+    """argparse type: an int in [low, high]."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}]{unit}, got {v}")
+        return v
+    return parse
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.lower()
+
+
+def _device(text: str) -> str:
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _non_negative_seconds(text: str) -> float:
+    v = float(text)
+    if not 0 <= v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be seconds in [0, {MAX_SECONDS:g}], got {text}")
     return v
 
 
@@ -132,38 +170,41 @@ class ServeArgs:
     max_prompt_tokens: int | None = _flag(type=positive_int, help="default: context - 1")
     max_tokens_limit: int | None = _flag(type=positive_int, help="largest max_tokens accepted")
     max_queue: int = _flag(256, type=positive_int, help="waiting requests beyond this get 429 with Retry-After")
-    drain_timeout: float = _flag(25.0, type=_non_negative_float,
+    drain_timeout: float = _flag(25.0, type=_non_negative_seconds,
                                  help="seconds SIGTERM waits for in-flight requests before aborting them")
     header_timeout: float = _flag(
-        10.0, type=_positive_float,
+        10.0, type=_seconds,
         help="seconds a client has, from connecting or from the first byte of a request, to send the "
              "request line and headers; then 408 and the connection is closed")
-    body_timeout: float = _flag(30.0, type=_positive_float,
+    body_timeout: float = _flag(30.0, type=_seconds,
                                 help="seconds a client has to send the whole request body after its headers; then 408")
     engine_stall_timeout: float = _flag(
-        120.0, type=_positive_float,
+        120.0, type=_seconds,
         help="an engine step running longer than this is a stuck engine: in-flight requests get 503 "
              "and /health fails, so the pod is restarted")
     price_per_hour: float | None = _flag(type=_non_negative_float,
                                          help="accelerator $/h, for the tokenfleet:cost_per_million_tokens_usd gauge")
     dtype: str = _flag("auto")
-    device: str = _flag("auto")
-    kv_cache_mb: int | None = _flag(type=positive_int, help="KV cache per rank in MiB (default 512, unless "
-                                    "--kv-cache-memory-bytes or --gpu-memory-utilization sizes it)")
-    kv_cache_memory_bytes: int | None = _flag(type=positive_int, help="KV cache per rank in bytes (vLLM's flag)")
+    device: str = _flag("auto", type=_device, help="auto (an accelerator when there is one), cpu, cuda or cuda:N")
+    kv_cache_mb: int | None = _flag(type=_bounded_int(1, MAX_BYTES >> 20, " MiB"),
+                                    help="KV cache per rank in MiB (default 512, unless --kv-cache-memory-bytes or "
+                                         "--gpu-memory-utilization sizes it)")
+    kv_cache_memory_bytes: int | None = _flag(type=_bounded_int(1, MAX_BYTES, " bytes"),
+                                              help="KV cache per rank in bytes (vLLM's flag)")
     gpu_memory_utilization: float | None = _flag(
         type=_fraction,
         help="size the KV cache per rank as this fraction of the accelerator's memory (on CPU: of the memory "
              "limit) less the rank's weights and 1 GiB of headroom (vLLM's flag)")
     accelerator_memory_bytes: int | None = _flag(
-        type=positive_int, help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization "
-                                "takes a fraction of (default: what the device or the cgroup reports)")
+        type=_bounded_int(1, MAX_BYTES, " bytes"),
+        help="the memory of one accelerator (CPU: the memory limit) that --gpu-memory-utilization takes a fraction "
+             "of (default: what the device or the cgroup reports)")
     block_size: int = _flag(16, type=positive_int)
     max_num_seqs: int = _flag(256, type=positive_int)
     max_num_batched_tokens: int = _flag(2048, type=positive_int)
     max_model_len: int | None = _flag(type=positive_int)
     no_prefix_caching: bool = _flag(False, action="store_true")
-    num_threads: int | None = _flag(type=positive_int, help="CPU threads for torch")
+    num_threads: int | None = _flag(type=_bounded_int(1, MAX_THREADS), help="CPU threads for torch")
     quantization: str = _flag("none", type=_quantization,
                               help="weight quantization: none, or int8 (weight-only, per output channel, quantized at load)")
     kv_cache_dtype: str = _flag("auto", type=_kv_cache_dtype,
@@ -187,7 +228,7 @@ class ServeArgs:
         help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto; this flag "
              "needs it")
     structured_output_timeout: float = _flag(
-        10.0, type=_positive_float,
+        10.0, type=_seconds,
         help="seconds a request's grammar (response_format, structured_outputs, a required tool choice) may take "
              "to compile, on a worker thread; then the request is a 400 and the engine serves on")
     structured_output_cache_size: int = _flag(256, type=positive_int,
@@ -207,7 +248,7 @@ class ServeArgs:
         help="this replica's directory in that store (default: the host name); a replacement "
              "given the same name starts from its predecessor's blocks")
     prefix_checkpoint_interval: float = _flag(
-        60.0, type=_positive_float, group=WARM_RESTART,
+        60.0, type=_seconds, group=WARM_RESTART,
         help="seconds between saves (a save writes only the hottest blocks the store lacks)")
     prefix_checkpoint_max_mb: int = _flag(256, type=positive_int, group=WARM_RESTART,
                                           help="most megabytes of KV blocks a save writes, and a start loads into "
@@ -217,7 +258,7 @@ class ServeArgs:
         help="the model's revision, which a stored KV block must match to be loaded (default: a "
              "fingerprint of the weight files)")
     kv_offload_host_mb: int = _flag(
-        0, type=non_negative_int, group=KV_OFFLOAD,
+        0, type=_bounded_int(0, MAX_BYTES >> 20, " MiB"), group=KV_OFFLOAD,
         help="host memory (MiB) that keeps prefix-cache blocks evicted from the accelerator's KV cache, with "
              "their hashes, so a later hit copies them back instead of recomputing them (pinned on CUDA); 0: off")
     kv_offload_disk_path: str | None = _flag(
@@ -225,7 +266,7 @@ class ServeArgs:
         help="directory of a disk tier below the host tier (one checksummed file per block); a replica that "
              "mounts the directory of the one it replaces starts with the tier filled. Unwritable or full: the "
              "tier switches itself off and serving goes on")
-    kv_offload_disk_mb: int = _flag(4096, type=positive_int, group=KV_OFFLOAD,
+    kv_offload_disk_mb: int = _flag(4096, type=_bounded_int(1, MAX_BYTES >> 20, " MiB"), group=KV_OFFLOAD,
                                     help="most MiB of block files the disk tier keeps (least recently used go first)")
     enable_lora: bool = _flag(False, action="store_true", group=LORA, help="serve LoRA adapters of this model")
     lora_modules: tuple[tuple[str, str], ...] | None = _flag(
@@ -259,10 +300,10 @@ class ServeArgs:
         help="serve no OpenAI API, only /health and /metrics on --port, and run this host's ranks "
              "(every --node-rank > 0)")
     distributed_timeout_seconds: float = _flag(
-        60.0, type=_positive_float, group=PARALLEL,
+        60.0, type=_seconds, group=PARALLEL,
         help="bound for joining the replica and for every collective; a rank that cannot reach the "
              "leader, or whose peer is gone, exits non-zero within it naming the rank and address")
-    log_level: str = _flag("info")
+    log_level: str = _flag("info", type=_log_level)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServeArgs:
@@ -283,6 +324,14 @@ class ServeArgs:
             return "--lora-modules needs --enable-lora"
         if self.lora_modules_file and not self.enable_lora:
             return "--lora-modules-file needs --enable-lora"
+        if self.enable_lora and (self.kv_offload_disk_path or self.prefix_checkpoint_dir):
+            tier = "--kv-offload-disk-path" if self.kv_offload_disk_path else "--prefix-checkpoint-dir, warm restart's store"
+            return (f"--enable-lora with a KV disk tier ({tier}) is not implemented yet: an unloaded adapter's "
+                    "blocks on disk could not be forgotten")
+        speculative = [flag_name(f) for f in ("num_speculative_tokens", "speculative_draft_model", "prompt_lookup_min",
+                                              "prompt_lookup_max") if getattr(self, f) is not None]
+        if speculative and self.speculative_method is None:
+            return f"{', '.join(speculative)} need --speculative-method"
         budgets = [f for f, v in (("--kv-cache-mb", self.kv_cache_mb), ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
                                   ("--gpu-memory-utilization", self.gpu_memory_utilization)) if v is not None]
         if len(budgets) > 1:

@@ -230,7 +230,9 @@ class EngineSpec(ApiModel):
         "acceleratorMemoryUtilization and kvCacheMb. Unset, with neither of the others: on an accelerator 0.9 of "
         "its memory less the weights and 1 GiB of headroom (acceleratorMemoryUtilization 0.9); on CPU the same "
         "fraction of resources.limits.memory when the replica has a memory limit, else the server's 512 MiB. A "
-        "maxModelLen whose context the budget cannot hold once is refused (reason KVCacheTooSmall).",
+        "maxModelLen whose context the budget cannot hold once is refused (reason KVCacheTooSmall), and so is a "
+        "size larger than a rank's memory as the operator knows it (resources.limits.memory on CPU, else "
+        "accelerator.memoryPerDevice or the accelerator type's; reason KVCacheTooLarge).",
     )
     accelerator_memory_utilization: float | None = Field(
         default=None,
@@ -530,13 +532,6 @@ class InferenceServiceSpec(ApiModel):
             "!self.warmRestart.enabled || has(self.slicePolicy.checkpoint)",
             "warmRestart needs slicePolicy.checkpoint.store: the replicas save their prefix cache there",
             field_path=".warmRestart.enabled",
-        ),
-        rule(
-            "!self.warmRestart.enabled || !has(self.slicePolicy.checkpoint) || "
-            "self.slicePolicy.checkpoint.store.matches('^(pvc|hostpath|file)://')",
-            "warmRestart saves to a file system: slicePolicy.checkpoint.store must be pvc://, hostpath:// or file:// "
-            "(s3:// and gs:// are not supported for it)",
-            field_path=".slicePolicy.checkpoint.store",
         ),
         rule(
             "!has(self.engine.tensorParallelSize) || !has(self.engine.pipelineParallelSize) || "

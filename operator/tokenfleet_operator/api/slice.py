@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tokenfleet_operator.api.common import (
     DNS_LABEL_PATTERN,
@@ -32,12 +32,18 @@ SLICE_PHASES: tuple[str, ...] = SlicePhase.__args__  # type: ignore[attr-defined
 
 DEFAULT_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
 
-# pvc://CLAIM[/PATH], hostpath:///PATH, file:///PATH, s3://BUCKET[/KEY], gs://BUCKET[/KEY]; no ".." segments,
-# no host or file path that is "/" itself.
+# pvc://CLAIM[/PATH], hostpath:///PATH, file:///PATH; no ".." segments, no host or file path that is "/" itself.
+# Object stores (s3://, gs://) are refused by a CEL rule with its own message (STORE_SCHEMES): nothing in
+# tokenfleet reads or writes them (the batch worker and warm restart need a file system), so a Slice given one
+# would run without the checkpoints it asked for. The pattern still takes their shape, because the API server
+# checks no CEL rule of an object that fails a pattern, and its pattern error would not say which stores there are.
 STORE_PATTERN = (
     rf"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/{PATH_SEGMENT})*/?|(hostpath|file)://(/{PATH_SEGMENT})+/?|"
-    r"(s3|gs)://[a-z0-9][-a-z0-9._]*[a-z0-9](/\S*)?)$"
+    r"(s3|gs)://\S+)$"
 )
+STORE_SCHEMES = ("pvc", "hostpath", "file")
+UNSUPPORTED_STORE = ("must be a file system store: pvc://CLAIM[/PATH], hostpath:///PATH or file:///PATH (s3:// and "
+                     "gs:// are not supported: nothing reads or writes them)")
 
 
 def _keys_are_label_keys(what: str) -> dict[str, Any]:
@@ -83,13 +89,24 @@ class CheckpointSpec(ApiModel):
 
     store: str = Field(
         description=(
-            "Checkpoint location as a URI: pvc://CLAIM/PATH, hostpath:///PATH, file:///PATH, s3://BUCKET/PATH or "
-            "gs://BUCKET/PATH. Paths have no '..' segment; hostpath:// needs the operator's --allow-host-path "
-            "(a cluster administrator's opt-in) to cover PATH."
+            "Checkpoint location as a URI: pvc://CLAIM/PATH, hostpath:///PATH or file:///PATH (object stores, "
+            "s3:// and gs://, are not supported). Paths have no '..' segment; hostpath:// needs the operator's "
+            "--allow-host-path (a cluster administrator's opt-in) to cover PATH."
         ),
         max_length=1024,
         pattern=STORE_PATTERN,
+        json_schema_extra={"x-kubernetes-validations": [
+            rule("self.matches('^(" + "|".join(STORE_SCHEMES) + ")://')", UNSUPPORTED_STORE)]},
     )
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _file_system_store(cls, value: Any) -> Any:
+        """The scheme first, with a message that names the stores there are (objects stored before the schema
+        refused object stores get it in their condition)."""
+        if isinstance(value, str) and value.partition("://")[0] not in STORE_SCHEMES:
+            raise ValueError(UNSUPPORTED_STORE)
+        return value
     interval_seconds: int = Field(
         default=600, description="Seconds between checkpoints taken by the workload.", ge=30, le=86400
     )

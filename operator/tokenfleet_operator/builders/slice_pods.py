@@ -47,8 +47,8 @@ CHECKPOINT_VOLUME = "tokenfleet-checkpoints"
 
 
 def checkpoint_volume(store: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(the pod volume, the members' directory) for a checkpoint store URI. Object stores (s3://, gs://)
-    need neither: the workload reads TOKENFLEET_CHECKPOINT_STORE itself."""
+    """(the pod volume, the members' directory) for a checkpoint store URI (pvc://, hostpath:// or file://: the
+    schema refuses any other)."""
     scheme, _, rest = store.partition("://")
     if scheme == "pvc":
         claim, _, sub = rest.partition("/")

@@ -123,7 +123,8 @@ def one_run(model: Path, scenario: str, store: Path, prompt: list[int], kv_mb: i
                 "--prefix-checkpoint-interval", "3600"]
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "TOKENFLEET_KV_TIER_KEY": "tokenfleet-bench-startup"}   # one key: runs reuse the store
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     peak_anon = 0
     try:
         while True:

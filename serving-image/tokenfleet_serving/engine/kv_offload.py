@@ -22,18 +22,14 @@ What overlaps with compute and what does not:
   the step, before the forward pass: on CPU they are memory copies; on CUDA they are issued on the current
   stream (the forward pass that reuses an evicted block is ordered after its copy out), not on a side stream.
 
-Disk block files (``<config hash, 16 hex>-<block hash, 64 hex>.tfkv``), little endian::
-
-    b"TFKVBLK1"  config hash [32]  block hash [32]  parent hash [32]  uint32 n  token ids [n x uint32]
-    uint64 kv bytes  KV (the block's part of each pool tensor: PoolIO)
-    sha256 of everything before it [32]
-
+Disk block files (one per block; their format, their HMAC and how they are opened: ``kv_block_file.py``).
 The config hash is the sha256 of the identity a block's KV depends on (model config, revision, dtype, KV
 dtype, block size and layout, tensor-parallel rank and size; ``identity.engine_identity``). A file is
-loaded only if its checksum matches, its config hash is this engine's, its block hash is sha256(parent,
-tokens) and the name it was found under: a corrupt, foreign or forged block is never loaded (and a corrupt one
-is deleted). At start the disk tier indexes the files of its own config hash, so a replica that mounts the
-directory of the replica it replaces starts with the tier filled (warm restart, docs/recovery.md).
+loaded only if it is a regular file of a block's size, its tag verifies under the tier key (a per-service
+secret), its config hash is this engine's, its block hash is sha256(parent, tokens) and the name it was found
+under: a corrupt, planted, foreign or forged block is never loaded (and a corrupt or planted one is deleted).
+At start the disk tier indexes the files of its own config hash, so a replica that mounts the directory of the
+replica it replaces (and has the same key) starts with the tier filled (warm restart, docs/recovery.md).
 
 A disk path that cannot be written at start, or a write that fails (full disk, read-only, removed), switches
 the disk tier off with one log line, ``tokenfleet:kv_offload_tier_enabled{tier="disk"} 0`` and an error
@@ -45,7 +41,7 @@ import hashlib
 import logging
 import os
 import queue
-import struct
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -58,12 +54,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from .block_pool import hash_block
+from .kv_block_file import (
+    BlockFileError,
+    BlockRecord,
+    LinkRefused,
+    decode_block,
+    encode_block,
+    kv_bytes,
+    open_directory,
+    plausible_size,
+    read_block_file,
+    tier_key,
+    write_block_file,
+)
 
 log = logging.getLogger("tokenfleet.engine.kv_offload")
 
 TIERS = ("accelerator", "host", "disk")
-MAGIC = b"TFKVBLK1"
 SUFFIX = ".tfkv"
 _PREFETCH_LIMIT = 8192          # disk reads kept ready at once
 
@@ -73,6 +80,7 @@ class KVOffloadConfig:
     host_bytes: int = 0               # host-memory tier (0: none)
     disk_path: str | None = None      # disk tier directory (None: none)
     disk_bytes: int = 4 * 2**30       # disk tier budget
+    key: bytes = field(default_factory=lambda: tier_key(None), repr=False)   # authenticates the disk tier's files
 
     @property
     def enabled(self) -> bool:
@@ -105,16 +113,6 @@ class TierCounters:
     def copy(self) -> TierCounters:
         return TierCounters(self.queries, self.hits, self.store_bytes, self.store_seconds, self.load_bytes,
                             self.load_seconds, self.blocks, self.capacity_blocks, self.enabled, dict(self.errors))
-
-
-@dataclass
-class BlockRecord:
-    """One block leaving or entering the accelerator tier."""
-
-    hash: bytes
-    parent: bytes
-    tokens: tuple[int, ...]
-    data: torch.Tensor | None = None     # the block's bytes (PoolIO) on the host
 
 
 class PoolIO:
@@ -235,63 +233,19 @@ class HostTier:
         self.free_slots = list(range(self.capacity - 1, -1, -1))
 
 
-class BlockFileError(Exception):
-    """A disk block that must not be loaded; ``reason`` is the metric label (corrupt, foreign, forged)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def encode_block(config_hash: bytes, record: BlockRecord, data: torch.Tensor) -> bytes:
-    tokens = struct.pack(f"<I{len(record.tokens)}I", len(record.tokens), *record.tokens)
-    kv = memoryview(data.contiguous().view(torch.uint8).numpy().data).cast("B")
-    head = b"".join([MAGIC, config_hash, record.hash, record.parent, tokens, struct.pack("<Q", kv.nbytes)])
-    digest = hashlib.sha256(head)
-    digest.update(kv)
-    return b"".join([head, kv, digest.digest()])
-
-
-def decode_block(raw: bytes, config_hash: bytes, expected_hash: bytes, block_shape: tuple[int, ...],
-                 dtype: torch.dtype) -> BlockRecord:
-    """The block in ``raw``, or BlockFileError: corrupt (checksum, size), foreign (another config hash) or
-    forged (its hash is not sha256(parent, tokens), or not the one it was filed under)."""
-    view = memoryview(raw)                  # no copies of the block's bytes but the tensor's own
-    if len(raw) < len(MAGIC) + 96 + 4 + 8 + 32 or hashlib.sha256(view[:-32]).digest() != raw[-32:]:
-        raise BlockFileError("corrupt", "checksum mismatch or truncated")
-    if raw[:len(MAGIC)] != MAGIC:
-        raise BlockFileError("corrupt", "not a KV block file")
-    o = len(MAGIC)
-    theirs, h, parent = raw[o:o + 32], raw[o + 32:o + 64], raw[o + 64:o + 96]
-    if theirs != config_hash:
-        raise BlockFileError("foreign", f"written for config {theirs.hex()[:16]}, this engine is {config_hash.hex()[:16]}")
-    o += 96
-    (n,) = struct.unpack_from("<I", raw, o)
-    tokens = struct.unpack_from(f"<{n}I", raw, o + 4)
-    o += 4 + 4 * n
-    (kv_len,) = struct.unpack_from("<Q", raw, o)
-    o += 8
-    elem = torch.tensor([], dtype=dtype).element_size()
-    expected = elem
-    for d in block_shape:
-        expected *= d
-    if kv_len != expected or o + kv_len + 32 != len(raw):
-        raise BlockFileError("corrupt", f"holds {kv_len} KV bytes for {n} tokens, expected {expected}")
-    if h != expected_hash or hash_block(parent, tokens) != h:
-        raise BlockFileError("forged", "its hash does not match its parent and tokens")
-    data = torch.frombuffer(bytearray(view[o:o + kv_len]), dtype=torch.uint8).view(dtype).view(block_shape)
-    return BlockRecord(h, parent, tuple(tokens), data)
-
-
 class DiskTier:
-    """Block files in one directory: an LRU index by hash (file sizes against ``capacity_bytes``), a writer
-    thread, a reader thread for prefetches."""
+    """Block files in one directory (held open: every file is reached through its descriptor, no link
+    followed; ``kv_block_file.py``): an LRU index by hash (file sizes against ``capacity_bytes``), a writer
+    thread, a reader thread for prefetches. ``key`` authenticates the files; a block holds 1..``max_tokens``
+    tokens."""
 
     def __init__(self, path: str, capacity_bytes: int, config_hash: bytes, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, counters: TierCounters):
+                 dtype: torch.dtype, counters: TierCounters, *, key: bytes, max_tokens: int):
         self.path, self.capacity_bytes = Path(path), capacity_bytes
         self.config_hash, self.block_shape, self.dtype = config_hash, block_shape, dtype
+        self.key, self.max_tokens, self.kv_bytes = key, max_tokens, kv_bytes(block_shape, dtype)
         self.prefix = config_hash.hex()[:16]
+        self.dir_fd: int | None = None
         self.c = counters
         self.lock = threading.Lock()
         self.index: OrderedDict[bytes, int] = OrderedDict()      # hash -> file size, least recently used first
@@ -303,10 +257,13 @@ class DiskTier:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self.writer: threading.Thread | None = None
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".probe-{os.getpid()}"
-            probe.write_bytes(b"tokenfleet")
-            probe.unlink()
+            self.dir_fd = open_directory(str(self.path))
+            probe = f".probe-{os.getpid()}"
+            write_block_file(self.dir_fd, probe, b"tokenfleet")
+            os.unlink(probe, dir_fd=self.dir_fd)
+        except LinkRefused as exc:
+            self.switch_off("symlink", str(exc))
+            return
         except OSError as exc:
             self.switch_off("unwritable", f"cannot write to {self.path} ({exc})")
             return
@@ -328,21 +285,49 @@ class DiskTier:
             self.c.blocks = 0
         log.warning("KV offload: disk tier switched off, serving goes on without it: %s", why)
 
+    def _name(self, h: bytes) -> str:
+        return f"{self.prefix}-{h.hex()}{SUFFIX}"
+
     def _file(self, h: bytes) -> Path:
-        return self.path / f"{self.prefix}-{h.hex()}{SUFFIX}"
+        return self.path / self._name(h)
+
+    def _unlink(self, h: bytes) -> None:
+        if self.dir_fd is None:
+            return
+        try:
+            os.unlink(self._name(h), dir_fd=self.dir_fd)
+        except OSError:
+            pass
 
     def _scan(self) -> None:
-        found = []
-        for p in self.path.glob(f"{self.prefix}-*{SUFFIX}"):
-            name = p.name[len(self.prefix) + 1:-len(SUFFIX)]
-            try:
-                h = bytes.fromhex(name)
-                st = p.stat()
-            except (ValueError, OSError):
-                continue
-            if len(h) == 32:
+        """Index this engine's block files: regular files of a block's size only (a link, or a file no block of
+        this engine can be, is left out and counted; it is never read)."""
+        assert self.dir_fd is not None
+        found, refused, foreign = [], 0, 0
+        with os.scandir(self.dir_fd) as entries:
+            for entry in entries:
+                if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
+                    continue
+                if not entry.name.startswith(self.prefix + "-"):
+                    foreign += 1
+                    continue
+                try:
+                    h = bytes.fromhex(entry.name[len(self.prefix) + 1:-len(SUFFIX)])
+                    st = entry.stat(follow_symlinks=False)
+                except (ValueError, OSError):
+                    continue
+                if len(h) != 32:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or not plausible_size(st.st_size, self.kv_bytes, self.max_tokens):
+                    refused += 1
+                    continue
                 found.append((st.st_mtime, h, st.st_size))
         found.sort()
+        if refused:
+            with self.lock:
+                self.c.errors["corrupt"] = self.c.errors.get("corrupt", 0) + refused
+            log.warning("KV offload: %d files in %s are links, not regular files, or not the size of a block of "
+                        "this engine: never read", refused, self.path)
         with self.lock:
             for _, h, size in found:
                 self.index[h] = size
@@ -352,7 +337,6 @@ class DiskTier:
         if found:
             log.info("KV offload: disk tier %s holds %d blocks of this model (%.1f MB)", self.path,
                      len(self.index), self.total_bytes / 2**20)
-        foreign = sum(1 for p in self.path.glob(f"*{SUFFIX}") if not p.name.startswith(self.prefix + "-"))
         if foreign:
             with self.lock:
                 self.c.errors["foreign"] = self.c.errors.get("foreign", 0) + foreign
@@ -363,10 +347,7 @@ class DiskTier:
         while self.total_bytes > self.capacity_bytes and self.index:
             h, size = self.index.popitem(last=False)
             self.total_bytes -= size
-            try:
-                self._file(h).unlink()
-            except OSError:
-                pass
+            self._unlink(h)
 
     def __contains__(self, h: object) -> bool:
         return self.enabled and (h in self.index or h in self.pending)
@@ -403,19 +384,12 @@ class DiskTier:
     def _write(self, r: BlockRecord) -> None:
         started = time.perf_counter()
         assert r.data is not None
-        raw = encode_block(self.config_hash, r, r.data)
-        target = self._file(r.hash)
-        tmp = target.with_name(f".{target.name}.tmp")
+        raw = encode_block(self.config_hash, r, r.data, key=self.key)
+        assert self.dir_fd is not None
         try:
-            with tmp.open("wb") as f:
-                f.write(raw)
-            os.replace(tmp, target)
+            write_block_file(self.dir_fd, self._name(r.hash), raw)
         except OSError as exc:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            self.switch_off("write", f"writing {target} failed ({exc})")
+            self.switch_off("write", f"writing {self._file(r.hash)} failed ({exc})")
             return
         with self.lock:
             self.pending.pop(r.hash, None)
@@ -442,8 +416,10 @@ class DiskTier:
         started = time.perf_counter()
         path = self._file(h)
         try:
-            raw = path.read_bytes()
-            record = decode_block(raw, self.config_hash, h, self.block_shape, self.dtype)
+            if self.dir_fd is None:
+                return None
+            raw = read_block_file(self.dir_fd, self._name(h), self.kv_bytes, self.max_tokens)
+            record = decode_block(raw, self.config_hash, h, self.block_shape, self.dtype, key=self.key)
         except FileNotFoundError:
             self._forget(h)
             return None
@@ -471,10 +447,7 @@ class DiskTier:
                 self.total_bytes -= size
             self.c.blocks = len(self.index)
         if delete:
-            try:
-                self._file(h).unlink()
-            except OSError:
-                pass
+            self._unlink(h)
 
     def prefetch(self, hashes: Sequence[bytes]) -> None:
         """Start reading these blocks on the reader thread (they are waited for, or used, by ``load``)."""
@@ -503,11 +476,14 @@ class DiskTier:
             self._forget(h, delete=True)
 
     def close(self) -> None:
-        if self.writer is not None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
             self.queue.put(None)
-            self.writer.join(timeout=10)
-            self.writer = None
-        self.reader.shutdown(wait=False, cancel_futures=True)
+            writer.join(timeout=10)
+        self.reader.shutdown(wait=True, cancel_futures=True)     # a read is of one block's size at most
+        if self.dir_fd is not None and (writer is None or not writer.is_alive()):
+            os.close(self.dir_fd)          # (a writer still running keeps it: its number must not be reused)
+            self.dir_fd = None
 
 
 def config_hash(identity: dict[str, Any]) -> bytes:
@@ -539,7 +515,8 @@ class KVOffload:
         if config.disk_path is not None:
             self.stats["disk"].capacity_blocks = config.disk_bytes // (io.block_bytes + 256)
             self.disk = DiskTier(config.disk_path, config.disk_bytes, self.config_hash, io.block_shape,
-                                 torch.uint8, self.stats["disk"])
+                                 torch.uint8, self.stats["disk"], key=config.key,
+                                 max_tokens=io.pool.shape[PoolIO.BLOCK_DIM + 1])
         else:
             self.stats["disk"].enabled = False
 

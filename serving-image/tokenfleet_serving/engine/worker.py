@@ -86,11 +86,24 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
                 f"{'accelerator memory' if device.type != 'cpu' else 'memory limit'} less {runner.weight_bytes() >> 20} "
                 f"MiB of weights and {HEADROOM_BYTES >> 20} MiB of headroom is {budget >> 20} MiB; raise it, the memory "
                 "(resources.limits.memory on CPU), or set --kv-cache-memory-bytes")
+    else:
+        _check_fits(budget, device, setup.device_memory_bytes)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes={budget} is smaller than one KV block ({block_bytes} bytes)")
     pool_bytes = runner.allocate_kv_cache(num_blocks, setup.block_size)
     return LoadedRank(runner, config, tokenizer, max_len, num_blocks, pool_bytes)
+
+
+def _check_fits(budget: int, device: torch.device, stated: int | None) -> None:
+    """An explicit KV budget more than the rank's memory holds is refused naming the flag and the operator's
+    field, before an allocation that could only fail (or, on CPU, get the process killed)."""
+    memory = usable_memory_bytes(device, stated)
+    if budget > memory:
+        raise ValueError(
+            f"--kv-cache-memory-bytes / --kv-cache-mb (engine.kvCacheMemory / kvCacheMb) of {budget >> 20} MiB is "
+            f"more than this rank's {memory >> 20} MiB of {'accelerator memory' if device.type != 'cpu' else 'memory'}"
+            "; lower it, or size the cache with --gpu-memory-utilization (engine.acceleratorMemoryUtilization)")
 
 
 def usable_memory_bytes(device: torch.device, stated: int | None) -> int:

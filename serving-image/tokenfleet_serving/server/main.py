@@ -96,8 +96,16 @@ def config_from_args(args: ServeArgs):
     warm = WarmRestartConfig(directory, args.prefix_checkpoint_name or socket.gethostname(),
                              args.prefix_checkpoint_interval, args.prefix_checkpoint_max_mb * 2**20,
                              args.model_revision) if directory else None
+    from tokenfleet_serving.engine.kv_block_file import TIER_KEY_ENV, tier_key
+
+    api_key = args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None
     disk_path = args.kv_offload_disk_path or (warm.store if warm is not None else None)   # warm restart's store
-    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, disk_path, args.kv_offload_disk_mb * 2**20)
+    offload = KVOffloadConfig(args.kv_offload_host_mb * 2**20, disk_path, args.kv_offload_disk_mb * 2**20,
+                              tier_key(os.environ.get(TIER_KEY_ENV) or api_key))    # none: this process's own
+    if disk_path and not (os.environ.get(TIER_KEY_ENV) or api_key):
+        log.warning("KV disk tier %s: no --api-key, $TOKENFLEET_API_KEY or $%s to key its files with, so this "
+                    "process keys them with a random key of its own: after a restart it cannot use them "
+                    "(warm restart starts cold)", disk_path, TIER_KEY_ENV)
     if offload.enabled and parallel.world_size > 1:
         raise ValueError("--kv-offload-host-mb / --kv-offload-disk-path with --tensor-parallel-size > 1 are not "
                          "implemented yet: each rank would need its own tier of its KV shard")
@@ -115,7 +123,7 @@ def config_from_args(args: ServeArgs):
                           structured_output_cache_size=args.structured_output_cache_size,
                           kv_offload=offload if offload.enabled else None)
     return ServerConfig(engine=engine, served_model_names=args.served_model_names,
-                        api_key=args.api_key or os.environ.get("TOKENFLEET_API_KEY") or None,
+                        api_key=api_key,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue,
                         drain_timeout_s=args.drain_timeout, price_per_hour=args.price_per_hour,

@@ -327,8 +327,9 @@ def _kv_offload_metrics(tiers, names: list[str], values: list[str]) -> Iterable[
     enabled = GaugeMetricFamily("tokenfleet:kv_offload_tier_enabled", "1 while a lower tier is in use; 0 when "
                                 "it is not configured or switched itself off (unwritable or full disk).",
                                 labels=names + ["tier"])
-    errors = CounterMetricFamily("tokenfleet:kv_offload_errors", "Lower-tier errors: unwritable, write (the tier "
-                                 "switched off), corrupt, foreign, forged (a block refused).",
+    errors = CounterMetricFamily("tokenfleet:kv_offload_errors", "Lower-tier errors: unwritable, write, symlink (the "
+                                 "tier switched off), corrupt (a file whose size or tag is wrong: a plant too), "
+                                 "foreign, forged (a block refused).",
                                  labels=names + ["tier", "reason"])
     for tier, c in tiers.items():
         queries.add_metric(values + [tier], c.queries)

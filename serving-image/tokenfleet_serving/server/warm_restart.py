@@ -12,8 +12,10 @@ of the replica it replaces), or ``--kv-offload-disk-path`` when that is given. T
   last request: the hottest cached blocks of the accelerator and host tiers, up to ``--prefix-checkpoint-max-mb``,
   that the disk tier does not hold yet (blocks evicted from the host tier are written there anyway).
 
-There is one format: the disk tier's checksummed block files. A corrupt, foreign or forged block is never
-loaded (the log says which and why); nothing about the store can stop the server from starting.
+There is one format: the disk tier's block files, authenticated with a key from the service's secret
+(``engine/kv_block_file.py``). A corrupt, planted, foreign or forged block is never loaded, nor a file of the
+wrong size read, nor a link followed (the log says which and why); nothing about the store can stop the server
+from starting.
 """
 from __future__ import annotations
 

@@ -106,6 +106,8 @@ def test_a_checkpoint_it_must_not_use_is_refused_and_the_replica_starts_cold(tin
         says = "of another model, revision, dtype, KV dtype or block size"
     elif case == "dtype":
         extra, says = ("--dtype", "bfloat16"), "of another model, revision, dtype, KV dtype or block size"
+    elif case == "truncated":         # never read: its size is not a block's (it is not indexed)
+        says = "not the size of a block of this engine: never read"
     else:
         says = "refused (corrupt)"
     srv = serve(model, tmp_path, "replica-0", *extra)

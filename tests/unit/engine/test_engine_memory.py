@@ -63,3 +63,10 @@ def test_process_memory_is_flat_across_10000_requests(llama_dir):
     assert r["cached"] <= r["blocks"]
     assert r["finished"] == 10_000 + sum(range(8, 257, 8))
     assert r["growth"] < 8 * 2**20, f"RSS grew by {r['growth'] / 2**20:.1f} MiB over 9,000 requests"
+
+
+def test_a_budget_larger_than_the_ranks_memory_is_refused_naming_the_field(llama_dir):
+    """Issue 48: kvCacheMemory 1Pi crashed three times with an error naming no field; now the start is refused
+    before the allocation, naming the flag and the operator's field."""
+    with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes.*engine\.kvCacheMemory.*more than this rank"):
+        LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 50, block_size=4)

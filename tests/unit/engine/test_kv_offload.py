@@ -17,11 +17,13 @@ import torch
 
 from tokenfleet_serving.engine import LLMEngine, SamplingParams
 from tokenfleet_serving.engine.block_pool import ROOT_HASH, hash_block
-from tokenfleet_serving.engine.kv_offload import BlockFileError, BlockRecord, HostTier, KVOffloadConfig, decode_block, encode_block
+from tokenfleet_serving.engine.kv_block_file import BlockFileError, BlockRecord, decode_block, encode_block
+from tokenfleet_serving.engine.kv_offload import HostTier, KVOffloadConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BS = 4
 PREFIX_BLOCKS = 10
+KEY = b"k" * 32                  # a tier key (kv_block_file.tier_key)
 
 
 def prefix(i: int) -> list[int]:
@@ -152,20 +154,22 @@ def test_corrupt_foreign_and_forged_disk_blocks_are_never_loaded(llama_dir, base
     eng.close()
     # a block of another model (another config hash), even under this model's file name, is refused
     raw = encode_block(b"\x01" * 32, BlockRecord(hash_block(ROOT_HASH, [1, 2, 3, 4]), ROOT_HASH, (1, 2, 3, 4)),
-                       torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
+                       torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8), key=KEY)
     with pytest.raises(BlockFileError) as err:
-        decode_block(raw, b"\x02" * 32, hash_block(ROOT_HASH, [1, 2, 3, 4]), (256,), torch.uint8)
+        decode_block(raw, b"\x02" * 32, hash_block(ROOT_HASH, [1, 2, 3, 4]), (256,), torch.uint8, key=KEY)
     assert err.value.reason == "foreign"
     # a block whose hash is not its tokens' (forged), and one filed under another name
     h = hash_block(ROOT_HASH, [1, 2, 3, 4])
-    forged = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 5)), torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
+    forged = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 5)),
+                          torch.zeros(2 * 2 * 2 * 4 * 8, dtype=torch.uint8), key=KEY)
     with pytest.raises(BlockFileError) as err:
-        decode_block(forged, b"\x02" * 32, h, (256,), torch.uint8)
+        decode_block(forged, b"\x02" * 32, h, (256,), torch.uint8, key=KEY)
     assert err.value.reason == "forged"
-    good = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 4)), torch.ones(2 * 2 * 2 * 4 * 8, dtype=torch.uint8))
-    assert decode_block(good, b"\x02" * 32, h, (256,), torch.uint8).tokens == (1, 2, 3, 4)
+    good = encode_block(b"\x02" * 32, BlockRecord(h, ROOT_HASH, (1, 2, 3, 4)),
+                        torch.ones(2 * 2 * 2 * 4 * 8, dtype=torch.uint8), key=KEY)
+    assert decode_block(good, b"\x02" * 32, h, (256,), torch.uint8, key=KEY).tokens == (1, 2, 3, 4)
     with pytest.raises(BlockFileError):
-        decode_block(good, b"\x02" * 32, hash_block(ROOT_HASH, [9, 9, 9, 9]), (256,), torch.uint8)
+        decode_block(good, b"\x02" * 32, hash_block(ROOT_HASH, [9, 9, 9, 9]), (256,), torch.uint8, key=KEY)
 
 
 def test_another_dtype_or_model_never_sees_the_blocks(llama_dir, checkpoints, tmp_path):
@@ -241,9 +245,9 @@ def test_disk_tier_is_an_lru_within_its_byte_budget(tmp_path):
 
     data = torch.arange(256, dtype=torch.uint8)
     recs = [BlockRecord(hash_block(ROOT_HASH, [i] * 4), ROOT_HASH, (i,) * 4, data) for i in range(5)]
-    size = len(encode_block(b"\x03" * 32, recs[0], data))
+    size = len(encode_block(b"\x03" * 32, recs[0], data, key=KEY))
     counters = TierCounters()
-    tier = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, counters)
+    tier = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, counters, key=KEY, max_tokens=4)
     tier.store(recs[:3])
     assert tier.wait_written()
     assert tier.load(recs[0].hash) is not None              # block 0 is now the most recently used
@@ -254,9 +258,11 @@ def test_disk_tier_is_an_lru_within_its_byte_budget(tmp_path):
     got = tier.load(recs[4].hash)
     assert got is not None and got.tokens == (4,) * 4 and got.data is not None and torch.equal(got.data, data)
     tier.close()
-    again = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, TierCounters())   # a restart
+    again = DiskTier(str(tmp_path), 3 * size, b"\x03" * 32, (256,), torch.uint8, TierCounters(), key=KEY,
+                     max_tokens=4)   # a restart
     assert set(again.hashes()) == {recs[0].hash, recs[3].hash, recs[4].hash}
-    other = DiskTier(str(tmp_path), 3 * size, b"\x04" * 32, (256,), torch.uint8, TierCounters())   # another model
+    other = DiskTier(str(tmp_path), 3 * size, b"\x04" * 32, (256,), torch.uint8, TierCounters(), key=KEY,
+                     max_tokens=4)   # another model
     assert other.hashes() == [] and other.c.errors == {"foreign": 3}
     again.close()
     other.close()

@@ -273,7 +273,6 @@ def test_member_pod_restore_environment_and_checkpoint_volume():
     ("hostpath:///data/ck", {"hostPath": {"path": "/data/ck", "type": "DirectoryOrCreate"}},
      "/var/run/tokenfleet/checkpoints"),
     ("file:///mnt/shared/ck", None, "/mnt/shared/ck"),
-    ("s3://bucket/ck", None, None),
 ])
 def test_checkpoint_stores_on_volumes_are_mounted(store, volume, directory):
     body = slice_body(role="batch", checkpoint={"store": store})
