@@ -125,6 +125,7 @@ class Plane:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TokenRoute",
                 "metadata": {"name": "chat", "namespace": self.namespace},
                 "spec": {"model": "chat", "policy": "difficulty", "difficulty": rt.DIFFICULTY,
+                         "override": "any",      # the all-small, all-large and oracle passes pick the target
                          "targets": [{"inferenceService": "small"}, {"inferenceService": "large"}]}}
 
     def get(self, kind: str, name: str) -> dict | None:

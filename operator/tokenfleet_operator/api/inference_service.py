@@ -30,7 +30,7 @@ from tokenfleet_operator.api.common import (
 from tokenfleet_operator.api.model_source import HostPathSource, ModelSource
 from tokenfleet_operator.api.pod_template import DNS_SUBDOMAIN_PATTERN
 from tokenfleet_operator.api.slice import DEFAULT_TOPOLOGY_KEY, CheckpointSpec, RestartPolicy
-from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK
+from tokenfleet_serving.contract.router_files import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_SLACK, DEFAULT_MAX_RECORDED_BLOCKS
 
 DEFAULT_IMAGE = "tokenfleet/serving:0.1.0"
 # What `tokenfleet serve --served-model-name` accepts (tokenfleet_serving.server.main.SERVED_MODEL_NAME).
@@ -347,6 +347,12 @@ class RoutingSpec(ApiModel):
         "it missed or that came before it followed; a replica that has sent no event yet is routed by the routed "
         "record). Unset: kvEvents. The bundled engine reports its blocks itself "
         "(/cache/blocks), so setting this with runtime tokenfleet is refused.",
+    )
+    max_recorded_blocks: int = Field(
+        default=DEFAULT_MAX_RECORDED_BLOCKS, description="vLLM replicas only: the most prompt blocks the router "
+        "records per replica, in its routed record and in its record of the replica's KV events each (the "
+        "replica's own num_gpu_blocks when smaller; the least recently stored goes first). About 0.5 KB of "
+        "router memory per block and replica, however large a cache a replica claims.", ge=1024, le=16 * 2**20,
     )
     replicas: int = Field(default=1, description="Router pods.", ge=1, le=16)
     resources: ResourceRequirements | None = Field(default=None, description="Resources of each router pod.")

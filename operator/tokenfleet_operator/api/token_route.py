@@ -22,12 +22,16 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from tokenfleet_operator.api.common import ApiModel, Conditions, CrdInfo, PrinterColumn, Resource, ResourceRequirements, rule, with_rules
+from tokenfleet_serving.contract.route_files import RESERVED_OVERRIDE_HEADERS
 
 # What `tokenfleet serve --served-model-name` accepts (as in api/inference_service.py).
 MODEL_NAME_PATTERN = r"^[^\s-]\S{0,127}$"
 # A DNS-1035 label: what an InferenceService or TokenRoute may be named.
 OBJECT_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DEFAULT_OVERRIDE_HEADER = "x-tokenfleet-route-target"
+RESERVED_HEADER_REFUSAL = ("overrideHeader must not be a credential, hop-by-hop or router header (one of: "
+                           + ", ".join(RESERVED_OVERRIDE_HEADERS) + ")")
+OVERRIDE_KEYS_REFUSAL = "overrideKeysSecretName is required with override keys, and refused otherwise"
 CASCADE_REFUSAL = ("policy cascade is not implemented: answering with the small model and escalating on a failed "
                    "output check needs a check that is sound for every request; use difficulty or cost")
 
@@ -118,6 +122,10 @@ class TokenRouteSpec(ApiModel):
 
     model_config = with_rules(
         rule("self.policy != 'cascade'", CASCADE_REFUSAL, field_path=".policy", reason="FieldValueForbidden"),
+        rule("!(self.overrideHeader.lowerAscii() in [" + ", ".join(f"'{h}'" for h in RESERVED_OVERRIDE_HEADERS)
+             + "])", RESERVED_HEADER_REFUSAL, field_path=".overrideHeader", reason="FieldValueForbidden"),
+        rule("(self.override == 'keys') == has(self.overrideKeysSecretName)", OVERRIDE_KEYS_REFUSAL,
+             field_path=".overrideKeysSecretName", reason="FieldValueInvalid"),
     )
 
     model: str = Field(description="The public model name: listed by the route's /v1/models, and what requests "
@@ -134,18 +142,36 @@ class TokenRouteSpec(ApiModel):
         json_schema_extra={"default": DifficultySpec().to_wire()})
     classifier: ClassifierSpec | None = Field(
         default=None, description="An optional grading service (difficulty policy only).")
+    override: Literal["off", "keys", "any"] = Field(
+        default="off", description="Who may send the override header (overrideHeader) to pick the target "
+        "themselves: off, nobody (a request carrying it gets 403); keys, only the clients whose API key is in "
+        "overrideKeysSecretName (anyone else gets 403); any, every client (only where every client may choose "
+        "the most expensive target). An override goes to the target it names and no other: a saturated target "
+        "(maxConcurrentRequests open, or its service at maxReplicas or without a ready replica) gets 429 with "
+        "Retry-After. The route never forwards the header to its targets.")
+    override_keys_secret_name: str | None = Field(
+        default=None, description="With override keys: a Secret in the route's namespace whose data values are "
+        "the API keys that may send the override header (one per line, as in spec.auth.clientKeysSecretName; "
+        "changes apply without a restart). Required with override keys, refused otherwise.", max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     override_header: str = Field(
         default=DEFAULT_OVERRIDE_HEADER, description="A request carrying this header, naming a target (its "
-        "InferenceService or TokenRoute name), goes to that target whatever the policy says (reason override); "
-        "an unknown name is a 400.", max_length=128, pattern=r"^[A-Za-z0-9-]+$")
+        "InferenceService or TokenRoute name), goes to that target whatever the policy says (reason override), "
+        "when spec.override lets its client; an unknown name is a 400. Not a credential, hop-by-hop or router "
+        "header (Authorization, Cookie, Host, Content-Length, Connection, x-tokenfleet-route-hops, ...).",
+        max_length=128, pattern=r"^[A-Za-z0-9-]+$")
     router: RouteRouterSpec = Field(
         default_factory=RouteRouterSpec, description="The route's router Deployment.",
         json_schema_extra={"default": RouteRouterSpec().to_wire()})
 
     @model_validator(mode="after")
-    def _no_cascade(self) -> TokenRouteSpec:
+    def _refusals(self) -> TokenRouteSpec:
         if self.policy == "cascade":
             raise ValueError(CASCADE_REFUSAL)
+        if self.override_header.lower() in RESERVED_OVERRIDE_HEADERS:
+            raise ValueError(RESERVED_HEADER_REFUSAL)
+        if (self.override == "keys") != (self.override_keys_secret_name is not None):
+            raise ValueError(OVERRIDE_KEYS_REFUSAL)
         return self
 
 

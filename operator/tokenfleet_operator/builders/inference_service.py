@@ -271,6 +271,7 @@ def router_config(owner: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
                          if spec.max_replicas is not None and spec.min_replicas == 0 else None),
         migration_limit=routing.migration_limit,
         no_replica_hold_s=float(routing.no_replica_hold_seconds),
+        max_recorded_blocks=routing.max_recorded_blocks,
         **kv_events_fields(spec),
     ))
 

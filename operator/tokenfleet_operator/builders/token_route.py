@@ -4,8 +4,9 @@ Service (``status.url``). All three are named ``<route>-route``.
 The ConfigMap has three keys:
 
 - ``router.json``: the route (``contract/route_files.py``): its public model, policy, targets and their served
-  model names, difficulty thresholds, classifier and override header. Part of the Deployment's config hash: a
-  change rolls the route's router.
+  model names, difficulty thresholds, classifier, override header and who may send it (with override keys,
+  the Secret ``spec.overrideKeysSecretName`` is mounted at ``OVERRIDE_KEYS_MOUNT`` and named there). Part of
+  the Deployment's config hash: a change rolls the route's router.
 - ``endpoints.json``: the targets' router pods (tier = the target's name) and the classifier's router pods
   (tier ``@classifier``), from the cache; rewritten on every pass, not hashed, re-read by the router.
 - ``targets.json``: each target's measured cost per million tokens, whether it meets its SLO now and whether
@@ -58,6 +59,8 @@ from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig, end
 ROUTE_ROLE = "route"
 TARGETS_KEY = "targets.json"
 ROUTE_MODELS_MOUNT = "/route-models"
+OVERRIDE_KEYS_VOLUME = "override-keys"
+OVERRIDE_KEYS_MOUNT = "/var/run/tokenfleet/override-keys"   # spec.overrideKeysSecretName, with override keys
 DEFAULT_IMAGE = InferenceServiceSpec.model_fields["image"].default
 
 
@@ -103,6 +106,8 @@ def route_config(owner: dict[str, Any], spec: TokenRouteSpec, targets: list[Reso
             classifier=(Classifier(classifier_model, spec.classifier.timeout_ms / 1000)
                         if spec.classifier is not None else None),
             override_header=spec.override_header.lower(),
+            override=spec.override,
+            override_keys=OVERRIDE_KEYS_MOUNT if spec.override_keys_secret_name else None,
         ),
     ))
 
@@ -189,6 +194,9 @@ def route_deployment(owner: dict[str, Any], spec: TokenRouteSpec, config: dict[s
             mounts.append(m)
         if directory:
             args += ["--target-model", t.name, directory]
+    if spec.override_keys_secret_name:
+        volumes.append({"name": OVERRIDE_KEYS_VOLUME, "secret": {"secretName": spec.override_keys_secret_name}})
+        mounts.append({"name": OVERRIDE_KEYS_VOLUME, "mountPath": OVERRIDE_KEYS_MOUNT, "readOnly": True})
     pull = next((t.spec.image_pull_policy for t in targets if t.spec is not None), "IfNotPresent")
     container: dict[str, Any] = {
         "name": "router",

@@ -11,7 +11,9 @@ reads them; a key one side does not know is an error naming the file and the fie
                "difficulty": {"maxPromptTokens": 512, "maxOutputTokens": 256, "maxTurns": 4,
                               "tools": true, "responseSchema": true},
                "classifier": {"model": "grader", "timeoutMs": 300},      # optional
-               "overrideHeader": "x-tokenfleet-route-target"}}
+               "overrideHeader": "x-tokenfleet-route-target",
+               "override": "keys",                                   # off (default) | keys | any
+               "overrideKeys": "/var/run/tokenfleet/override-keys"}} # with keys: the keys that may override
 
 ``endpoints.json`` lists the targets' router pods, each with ``tier`` = its target's name (and the
 classifier's router pods with tier ``@classifier``).
@@ -31,6 +33,17 @@ from typing import Any
 ROUTE_POLICIES = ("difficulty", "cost")
 CLASSIFIER_TIER = "@classifier"     # not a Kubernetes name: no target can have it
 DEFAULT_OVERRIDE_HEADER = "x-tokenfleet-route-target"
+HOPS_HEADER = "x-tokenfleet-route-hops"     # routes a request has passed; a route refuses one past MAX_ROUTE_HOPS
+MAX_ROUTE_HOPS = 8
+# who may send the override header: nobody, the clients whose key is in overrideKeys, or every client
+OVERRIDE_ACCESS = ("off", "keys", "any")
+# headers that cannot be the override header: hop-by-hop ones, credentials, the body's framing, and the
+# router's own (a route strips the override header before it forwards a request)
+RESERVED_OVERRIDE_HEADERS = ("authorization", "proxy-authorization", "proxy-authenticate", "cookie", "set-cookie",
+                             "host", "content-length", "content-type", "content-encoding", "transfer-encoding",
+                             "connection", "keep-alive", "te", "trailer", "upgrade", "expect", "accept-encoding",
+                             "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto",
+                             HOPS_HEADER)
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,8 @@ class RouteConfig:
     difficulty: Difficulty = field(default_factory=Difficulty)
     classifier: Classifier | None = None
     override_header: str = DEFAULT_OVERRIDE_HEADER
+    override: str = "off"                   # off | keys | any (OVERRIDE_ACCESS)
+    override_keys: str | None = None        # with keys: the key file or directory (router/auth.py's layout)
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ def parse_route(f: Any) -> RouteConfig:
     """The ``route`` object of router.json (``f``: router_files._Fields over it)."""
     from tokenfleet_serving.contract.router_files import _Fields
 
-    f.only("policy", "targets", "difficulty", "classifier", "overrideHeader")
+    f.only("policy", "targets", "difficulty", "classifier", "overrideHeader", "override", "overrideKeys")
     policy = f.get("policy", str, "difficulty")
     if policy not in ROUTE_POLICIES:
         raise f.fail("policy", f"must be one of {', '.join(ROUTE_POLICIES)}, got {policy!r}")
@@ -107,13 +122,21 @@ def parse_route(f: Any) -> RouteConfig:
     header = f.get("overrideHeader", str, DEFAULT_OVERRIDE_HEADER)
     if not header:
         raise f.fail("overrideHeader", "must not be empty")
+    if header.lower() in RESERVED_OVERRIDE_HEADERS:
+        raise f.fail("overrideHeader", f"must not be {header!r} (a credential, hop-by-hop or router header)")
+    override = f.get("override", str, "off")
+    if override not in OVERRIDE_ACCESS:
+        raise f.fail("override", f"must be one of {', '.join(OVERRIDE_ACCESS)}, got {override!r}")
+    keys = f.get("overrideKeys", str)
+    if (override == "keys") != bool(keys):
+        raise f.fail("overrideKeys", "is required with override keys, and read only then")
     return RouteConfig(
         policy=policy, targets=tuple(targets),
         difficulty=Difficulty(d.optional_integer("maxPromptTokens", 1, 10_000_000),
                               d.optional_integer("maxOutputTokens", 1, 10_000_000),
                               d.optional_integer("maxTurns", 1, 100000),
                               d.get("tools", bool, True), d.get("responseSchema", bool, True)),
-        classifier=classifier, override_header=header.lower())
+        classifier=classifier, override_header=header.lower(), override=override, override_keys=keys or None)
 
 
 def route_json(r: RouteConfig) -> dict[str, Any]:
@@ -129,7 +152,10 @@ def route_json(r: RouteConfig) -> dict[str, Any]:
                        "maxOutputTokens": r.difficulty.max_output_tokens, "maxTurns": r.difficulty.max_turns,
                        "tools": r.difficulty.tools, "responseSchema": r.difficulty.response_schema},
         "overrideHeader": r.override_header,
+        "override": r.override,
     }
+    if r.override_keys is not None:
+        out["overrideKeys"] = r.override_keys
     if r.classifier is not None:
         out["classifier"] = drop_none({"model": r.classifier.model,
                                        "timeoutMs": int(round(r.classifier.timeout_s * 1000))})

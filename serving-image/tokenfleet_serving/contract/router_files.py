@@ -19,6 +19,8 @@ read them.
                                                # the replica's KV events ("kvEvents", router/kv_events.py)
      "kvEventsReplayPort": 5558,               # optional, with kvEvents: where a replica replays the batches
                                                # a router missed (absent: none are replayed)
+     "maxRecordedBlocks": 131072,              # optional, vLLM backends: the most prompt blocks the router
+                                               # records per replica (routed and KV-event records alike)
      "tiers": [{"name": "small", "model": "llama-1b", "maxPromptTokens": 512, "maxOutputTokens": 256},
                {"name": "large", "model": "llama-70b"}],   # optional difficulty tiers, cheapest first
      "route": {...}}                           # optional: route mode (a TokenRoute's router; route_files.py)
@@ -47,6 +49,9 @@ from tokenfleet_serving.contract.route_files import RouteConfig, parse_route, ro
 POLICIES = ("round-robin", "least-load", "prefix-aware", "kv-aware")
 PREFIX_SOURCES = ("routed", "kvEvents")
 DEFAULT_KV_EVENTS_PORT = 5557
+# the most prompt blocks the router records per vLLM replica (what it routed there, what its KV events report),
+# however large a cache the replica reports: about 0.5 KB of router memory each
+DEFAULT_MAX_RECORDED_BLOCKS = 131072
 DEFAULT_KV_EVENTS_REPLAY_PORT = 5558
 DEFAULT_TIER = "default"
 
@@ -121,6 +126,7 @@ class RouterConfig:
     prefix_source: str = "routed"   # vLLM backends: "routed" (the router's own record) or "kvEvents"
     kv_events_port: int = DEFAULT_KV_EVENTS_PORT   # where a vLLM replica publishes its KV events
     kv_events_replay_port: int | None = None       # where it replays past batches on request (None: it does not)
+    max_recorded_blocks: int = DEFAULT_MAX_RECORDED_BLOCKS  # per replica, the routed and KV-event records each
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,8 @@ class _Fields:
 
 ROUTER_KEYS = ("service", "namespace", "models", "policy", "sessionAffinity", "kvBlockSize", "modelPath", "price",
                "slo", "scaleFromZero", "loadFactor", "loadSlack", "kvUsageThreshold", "tiers", "migrationLimit",
-               "noReplicaHoldSeconds", "route", "prefixSource", "kvEventsPort", "kvEventsReplayPort")
+               "noReplicaHoldSeconds", "route", "prefixSource", "kvEventsPort", "kvEventsReplayPort",
+               "maxRecordedBlocks")
 
 
 def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
@@ -294,6 +301,7 @@ def parse_router_config(data: Any, source: str = "router.json") -> RouterConfig:
         prefix_source=prefix_source,
         kv_events_port=events_port,
         kv_events_replay_port=replay_port,
+        max_recorded_blocks=f.integer("maxRecordedBlocks", DEFAULT_MAX_RECORDED_BLOCKS, 1024, 16 * 2**20),
     )
 
 
@@ -358,6 +366,8 @@ def router_config_json(c: RouterConfig) -> dict[str, Any]:
         out["prefixSource"], out["kvEventsPort"] = c.prefix_source, c.kv_events_port
     if c.kv_events_replay_port is not None:
         out["kvEventsReplayPort"] = c.kv_events_replay_port
+    if c.max_recorded_blocks != DEFAULT_MAX_RECORDED_BLOCKS:
+        out["maxRecordedBlocks"] = c.max_recorded_blocks
     if c.scale_from_zero is not None:
         out["scaleFromZero"] = {"maxPendingRequests": c.scale_from_zero.max_pending,
                                 "pendingTimeoutSeconds": c.scale_from_zero.timeout_s}

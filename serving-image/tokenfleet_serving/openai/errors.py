@@ -21,6 +21,7 @@ ERROR_TYPES = {
     502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout",
+    508: "loop_detected",
 }
 
 

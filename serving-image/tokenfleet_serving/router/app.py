@@ -347,6 +347,8 @@ class Router:
             headers["Authorization"] = request.headers["Authorization"]
         if self.backend_api_key:
             headers["Authorization"] = f"Bearer {self.backend_api_key}"
+        if self.route is not None:      # no override header on, one hop more (route_mode.py)
+            self.route.forward_headers(headers, request.headers)
         return headers
 
     def _hold_limits(self) -> ScaleFromZero | None:
@@ -467,7 +469,7 @@ class Router:
             body["return_token_ids"] = True
             changed = True
         if self.route is not None:
-            routed = await self.route.decide(kind, body, request.headers.get(self.route.route.override_header),
+            routed = await self.route.decide(kind, body, self.route.checked_override(request.headers),
                                              self.fleet, self.session, self._backend_headers(request))
             if routed is None:
                 return self._no_backend(self.route.names[-1])

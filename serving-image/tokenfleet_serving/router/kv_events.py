@@ -36,6 +36,21 @@ per buffered batch from there on, then an end marker with sequence -1. It asks
 
 Batches the replica no longer keeps (or a replay that does not answer within ``REPLAY_TIMEOUT_S`` per
 message) stay a counted gap.
+
+**Bounds.** What a replica's sockets send is read as untrusted input (anyone who can bind or take over the
+replica's address can send it), so that nothing it sends can stop the subscription or grow the router without
+bound:
+
+- ZeroMQ drops the connection of a peer that sends a message over ``MAX_MESSAGE_BYTES`` (``zmq.MAXMSGSIZE``; the
+  subscription reconnects);
+- a batch of more than ``MAX_EVENTS_PER_BATCH`` events or ``MAX_BLOCKS_PER_BATCH`` block hashes is skipped whole;
+- a malformed event (a hash that is not an integer or a short byte string, tokens that are not integers, ...) is
+  skipped and the rest of its batch applied; a message that is no batch at all is skipped;
+- every skip is counted (``tokenfleet_router_kv_event_rejected_total{backend,reason}``, reason ``message``,
+  ``event`` or ``oversize``) and logged (the first, then every 1000th), and the subscription goes on;
+- the record holds at most ``capacity`` blocks (the replica's ``num_gpu_blocks``, at most router.json's
+  ``maxRecordedBlocks``), each under one vLLM hash: a block stored again under another hash replaces the old
+  one, so the maps between the two hashes are never larger than the record.
 """
 from __future__ import annotations
 
@@ -52,6 +67,11 @@ log = logging.getLogger("tokenfleet.router.kv_events")
 
 REPLAY_TIMEOUT_S = 2.0          # the longest wait for one message of a replay
 REPLAY_YIELD_BATCHES = 64       # replayed batches applied between two turns of the event loop
+MAX_MESSAGE_BYTES = 8 * 2**20   # zmq.MAXMSGSIZE of both sockets: a larger message drops the connection
+MAX_EVENTS_PER_BATCH = 4096     # a batch with more events is skipped whole (reason oversize)
+MAX_BLOCKS_PER_BATCH = 65536    # ... or with more block hashes over its events
+MAX_HASH_BYTES = 64             # a vLLM block hash: an integer, or bytes (a string) of at most this many
+REJECT_REASONS = ("message", "event", "oversize")
 
 ACCELERATOR_MEDIA = (None, "GPU", "gpu", "cuda")   # vLLM calls its accelerator tier GPU on every device
 # positional fields of the array-like encoding of older vLLM builds (after the tag)
@@ -61,7 +81,28 @@ _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
 class EventFormatError(ValueError):
-    """A message that is not a vLLM KV event batch."""
+    """A message that is not a vLLM KV event batch (or an event that is not a KV event)."""
+
+
+class OversizeBatchError(EventFormatError):
+    """A batch over ``MAX_EVENTS_PER_BATCH`` events or ``MAX_BLOCKS_PER_BATCH`` block hashes."""
+
+
+def _hash(value: Any, what: str) -> Any:
+    """A vLLM block hash as sent: an integer, or bytes or a string of at most ``MAX_HASH_BYTES``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (bytes, str)) and len(value) <= MAX_HASH_BYTES:
+        return value
+    shown = f"{len(value)} bytes" if isinstance(value, (bytes, str)) else type(value).__name__
+    raise EventFormatError(f"{what} must be an integer or at most {MAX_HASH_BYTES} bytes, got {shown}")
+
+
+def _optional_str(fields: dict, key: str) -> str | None:
+    value = fields.get(key)
+    if value is not None and not isinstance(value, str):
+        raise EventFormatError(f"{key} must be a string, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -89,26 +130,35 @@ def _event(raw: Any) -> KvEvent | None:
         return KvEvent(kind)
     if kind not in ("BlockStored", "BlockRemoved"):
         return None                             # a kind this router does not read
-    hashes = fields.get("block_hashes")
-    if not isinstance(hashes, (list, tuple)):
+    raw_hashes = fields.get("block_hashes")
+    if not isinstance(raw_hashes, (list, tuple)):
         raise EventFormatError(f"{kind} has no block_hashes list")
-    medium = fields.get("medium")
+    hashes = tuple(_hash(h, "block_hashes[]") for h in raw_hashes)
+    medium = _optional_str(fields, "medium")
     if kind == "BlockRemoved":
-        return KvEvent(kind, tuple(hashes), medium=medium)
+        return KvEvent(kind, hashes, medium=medium)
     tokens = fields.get("token_ids")
     size = fields.get("block_size")
-    if not isinstance(tokens, (list, tuple)) or not isinstance(size, int) or size < 1:
+    if not isinstance(tokens, (list, tuple)) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise EventFormatError("BlockStored needs token_ids and a positive block_size")
-    lora = fields.get("lora_name")
-    if lora is None and fields.get("lora_id") is not None:
-        lora = f"#{fields['lora_id']}"
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens):
+        raise EventFormatError("BlockStored's token_ids must be integers from 0 to 2^32 - 1")
+    parent = fields.get("parent_block_hash")
+    lora = _optional_str(fields, "lora_name")
+    lora_id = fields.get("lora_id")
+    if lora is None and lora_id is not None:
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool):
+            raise EventFormatError(f"lora_id must be an integer, got {type(lora_id).__name__}")
+        lora = f"#{lora_id}"
     extra = fields.get("extra_keys")
-    return KvEvent(kind, tuple(hashes), fields.get("parent_block_hash"), tuple(tokens), size, medium, lora,
-                   tuple(extra) if isinstance(extra, (list, tuple)) else None)
+    return KvEvent(kind, hashes, None if parent is None else _hash(parent, "parent_block_hash"), tuple(tokens),
+                   size, medium, lora, tuple(extra) if isinstance(extra, (list, tuple)) else None)
 
 
-def decode_batch(payload: bytes) -> list[KvEvent]:
-    """The events of one published batch (msgpack), in order; kinds the router does not read are dropped."""
+def decode_batch(payload: bytes, rejected: list[str] | None = None) -> list[KvEvent]:
+    """The events of one published batch (msgpack), in order; kinds the router does not read are dropped. A
+    malformed event raises EventFormatError, or with ``rejected`` is skipped and why appended there; a batch
+    over the bounds raises OversizeBatchError."""
     import msgpack
 
     try:
@@ -123,7 +173,23 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
         raise EventFormatError("a batch must be a map with events or an array [ts, events, ...]")
     if not isinstance(events, (list, tuple)):
         raise EventFormatError("a batch's events must be a list")
-    return [e for e in (_event(raw) for raw in events) if e is not None]
+    if len(events) > MAX_EVENTS_PER_BATCH:
+        raise OversizeBatchError(f"a batch of {len(events)} events (at most {MAX_EVENTS_PER_BATCH} are read)")
+    out: list[KvEvent] = []
+    for raw in events:
+        try:
+            event = _event(raw)
+        except EventFormatError as exc:
+            if rejected is None:
+                raise
+            rejected.append(str(exc))
+            continue
+        if event is not None:
+            out.append(event)
+    blocks = sum(len(e.block_hashes) for e in out)
+    if blocks > MAX_BLOCKS_PER_BATCH:
+        raise OversizeBatchError(f"a batch of {blocks} block hashes (at most {MAX_BLOCKS_PER_BATCH} are read)")
+    return out
 
 
 class EventBlocks(RoutedBlocks):
@@ -145,7 +211,18 @@ class EventBlocks(RoutedBlocks):
         self.unnamed = 0                        # stored blocks the router could not key by its own hash
         self.restarts = 0
         self.replayed = 0                       # batches applied from a replay
+        self.rejected = dict.fromkeys(REJECT_REASONS, 0)   # messages, events and batches skipped, by why
+        self.reconnects = 0                     # connections dropped and made again (follow)
         self._warned_size = False
+
+    def reject(self, reason: str, why: str, source: str, count: int = 1) -> None:
+        """Count (and log the first and every 1000th of) what was skipped from this replica's events."""
+        before = sum(self.rejected.values())
+        self.rejected[reason] += count
+        if before == 0 or before // 1000 != (before + count) // 1000:
+            log.warning("backend %s: skipped %d KV-event %s(s) from %s (%d skipped in all): %s", self.name, count,
+                        "message" if reason == "message" else "batch" if reason == "oversize" else "event",
+                        source, before + count, why)
 
     # ---- the record ----------------------------------------------------------------------------------------
     def trim(self) -> None:
@@ -196,6 +273,9 @@ class EventBlocks(RoutedBlocks):
                                           parent=parent)
             ours = digest.hex()
             self._forget(theirs)
+            alias = self.theirs.get(ours)
+            if alias is not None:               # the same block under another vLLM hash: that one goes
+                self.ours.pop(alias, None)
             self.ours[theirs] = ours
             self.theirs[ours] = theirs
             self.add((ours,))
@@ -247,10 +327,8 @@ async def fetch_replay(address: str, start: int, until: int | None = None,
     before its end marker, or sent something that is not a batch (what came before is kept). A socket of its
     own per replay, so that a late answer to one that timed out cannot mix with the next."""
     import zmq
-    import zmq.asyncio
 
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = _bounded_socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVHWM, 0)              # a whole buffer may come at once: queue it, drop none
     sock.connect(address)
     batches: list[tuple[int, bytes]] = []
@@ -272,6 +350,32 @@ async def fetch_replay(address: str, start: int, until: int | None = None,
         sock.close(linger=0)
 
 
+def read_batch(blocks: EventBlocks, payload: bytes, source: str) -> list[KvEvent] | None:
+    """The readable events of one batch, what was skipped counted on ``blocks``; None: skip the whole batch."""
+    rejected: list[str] = []
+    try:
+        events = decode_batch(payload, rejected)
+    except OversizeBatchError as exc:
+        blocks.reject("oversize", str(exc), source)
+        return None
+    except EventFormatError as exc:
+        blocks.reject("message", str(exc), source)
+        return None
+    if rejected:
+        blocks.reject("event", rejected[0], source, len(rejected))
+    return events
+
+
+def _bounded_socket(kind: int) -> Any:
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    return sock
+
+
 async def catch_up(address: str, blocks: EventBlocks, start: int, until: int | None = None) -> None:
     """Apply what the replica replays from ``start`` (below ``until``) to its record."""
     batches, complete = await fetch_replay(address, start, until)
@@ -283,10 +387,8 @@ async def catch_up(address: str, blocks: EventBlocks, start: int, until: int | N
     for i, (seq, payload) in enumerate(batches):
         if i % REPLAY_YIELD_BATCHES == REPLAY_YIELD_BATCHES - 1:
             await asyncio.sleep(0)              # a whole buffer is thousands of batches: let requests be routed
-        try:
-            events = decode_batch(payload)
-        except EventFormatError as exc:
-            log.warning("backend %s: an unreadable replayed KV-event batch %d: %s", blocks.name, seq, exc)
+        events = read_batch(blocks, payload, f"{address} (replayed batch {seq})")
+        if events is None:
             continue
         blocks.apply(seq, events)
         blocks.replayed += 1
@@ -296,41 +398,86 @@ async def follow(address: str, blocks: EventBlocks, topic: bytes = b"",
                  on_error: Callable[[str], None] | None = None, replay_address: str | None = None) -> None:
     """Subscribe to one replica's publisher (``tcp://ip:port``) and apply its batches until cancelled, asking
     its replay socket for what is missing (module doc). ZeroMQ connects (and reconnects) in the background, so
-    a replica that is not publishing yet is no error."""
+    a replica that is not publishing yet is no error. Nothing a replica sends ends it: what cannot be read is
+    skipped and counted (``EventBlocks.reject``); ``on_error`` is told of each message that is not
+    ``[topic, seq, batch]``. ZeroMQ does not reconnect a connection it dropped for a message over
+    ``MAX_MESSAGE_BYTES``: a dropped connection is followed again on a new socket (the next batch's gap is
+    then asked of the replay socket)."""
+    import zmq
+
+    snapshot: int | None = None                 # live batches below this one came with the start-up replay
+    first = True
+    while True:
+        sock = _bounded_socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)                   # first, so that what is published during the replay queues here
+        try:
+            if first and replay_address is not None:
+                await catch_up(replay_address, blocks, 0)
+                snapshot = blocks.next_seq
+            first = False
+            snapshot = await _follow_connection(sock, monitor, address, blocks, on_error, replay_address, snapshot)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+        blocks.reconnects += 1
+        log.info("backend %s: its KV-event connection (%s) was dropped (the replica went away, or sent a message "
+                 "over %d bytes): following it again", blocks.name, address, MAX_MESSAGE_BYTES)
+
+
+async def _follow_connection(sock: Any, monitor: Any, address: str, blocks: EventBlocks,
+                             on_error: Callable[[str], None] | None, replay_address: str | None,
+                             snapshot: int | None) -> int | None:
+    """Read one socket's batches until its connection drops; returns the snapshot bound still in force."""
     import zmq
     import zmq.asyncio
 
-    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, topic)
-    sock.connect(address)                       # first, so that what is published during the replay queues here
-    bad = 0
-    snapshot: int | None = None                 # live batches below this one came with the start-up replay
+    poller = zmq.asyncio.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    dropped = False
+    while True:
+        ready = dict(await poller.poll())
+        if monitor in ready:
+            await monitor.recv_multipart()      # EVENT_DISCONNECTED: read what came before it, then go
+            dropped = True
+        if sock not in ready and not (dropped and await sock.poll(0)):
+            if dropped:
+                return snapshot
+            continue
+        frames = await sock.recv_multipart()
+        try:
+            seq = _sequence(frames)
+        except EventFormatError as exc:
+            blocks.reject("message", str(exc), address)
+            if on_error is not None:
+                on_error(str(exc))
+            continue
+        if snapshot is not None and seq < snapshot:
+            continue
+        snapshot = None
+        await _apply_live(blocks, seq, frames[2], address, replay_address)
+
+
+async def _apply_live(blocks: EventBlocks, seq: int, payload: bytes, address: str,
+                      replay_address: str | None) -> None:
+    """One live batch: what is missing before it asked for first; a failure of the router's own code on a batch
+    (a bug, or input the checks above let through) is logged and counted, and the next batch is read."""
     try:
-        if replay_address is not None:
-            await catch_up(replay_address, blocks, 0)
-            snapshot = blocks.next_seq
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                seq = _sequence(frames)
-                if snapshot is not None and seq < snapshot:
-                    continue
-                snapshot = None
-                events = decode_batch(frames[2])
-                start = blocks.catch_up_from(seq) if replay_address is not None else None
-                if start is not None:
-                    await catch_up(replay_address, blocks, start, seq)
-                blocks.apply(seq, events)
-            except EventFormatError as exc:
-                bad += 1
-                if bad == 1 or bad % 1000 == 0:
-                    log.warning("backend %s: %d unreadable KV event message(s) from %s: %s", blocks.name, bad,
-                                address, exc)
-                    if on_error is not None:
-                        on_error(str(exc))
-    finally:
-        sock.close(linger=0)
+        events = read_batch(blocks, payload, address)
+        if events is None:
+            return
+        start = blocks.catch_up_from(seq) if replay_address is not None else None
+        if start is not None and replay_address is not None:
+            await catch_up(replay_address, blocks, start, seq)
+        blocks.apply(seq, events)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the subscription must outlive any one batch
+        log.exception("backend %s: applying KV-event batch %d from %s failed", blocks.name, seq, address)
+        blocks.reject("message", f"{type(exc).__name__}: {exc}", address)
 
 
 class Subscriptions:

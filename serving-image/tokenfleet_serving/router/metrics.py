@@ -34,6 +34,9 @@ are computed from the fleet state at scrape time.
   request (missed or from before the router followed it) |
 | ``tokenfleet_router_kv_event_blocks_unnamed_total{backend}`` | counter | stored blocks the router could not key by |
   its own hash (kv_events.py says which) |
+| ``tokenfleet_router_kv_event_rejected_total{backend,reason}`` | counter | what the router skipped from a replica's |
+  KV events: ``message`` (not a batch), ``event`` (a malformed event; the rest of its batch is applied), ``oversize``
+  (a batch over the event or block bounds) |
 | ``tokenfleet_router_generation_tokens_per_second`` | gauge | summed rate of the backends' ``vllm:generation_tokens_total`` over 60 s |
 | ``tokenfleet_router_dollars_per_hour{currency}`` | gauge | price per replica-hour x listed replicas |
 | ``tokenfleet:cost_per_million_tokens_usd{currency}`` | gauge | dollars per hour / (generated tokens per hour) x 1e6;
@@ -67,7 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from tokenfleet_serving.contract import router_metrics as rm
 from tokenfleet_serving.contract.cost import cost_per_million_tokens
 from tokenfleet_serving.router.observe import Timing
-from tokenfleet_serving.router.state import Fleet
+from tokenfleet_serving.router.state import BackendState, Fleet
 
 
 class RouterMetrics:
@@ -141,6 +144,36 @@ class RouterMetrics:
             self.cold_start.observe(first)
 
 
+def _kv_event_families(followed: list[BackendState]) -> Iterable[Metric]:
+    """The KV-event counters of the backends whose events the router follows (none: no families)."""
+    if not followed:
+        return
+    events = {
+        "batches": CounterMetricFamily("tokenfleet_router_kv_event_batches", "KV-event batches applied.",
+                                       labels=["backend"]),
+        "missed": CounterMetricFamily("tokenfleet_router_kv_event_batches_missed",
+                                      "KV-event batches skipped in the sequence.", labels=["backend"]),
+        "replayed": CounterMetricFamily("tokenfleet_router_kv_event_batches_replayed",
+                                        "KV-event batches applied from the replica's replay socket.",
+                                        labels=["backend"]),
+        "unnamed": CounterMetricFamily("tokenfleet_router_kv_event_blocks_unnamed",
+                                       "Stored blocks the router could not key by its own hash.",
+                                       labels=["backend"]),
+        "rejected": CounterMetricFamily("tokenfleet_router_kv_event_rejected", "KV-event messages, events "
+                                        "and batches skipped as unreadable or over the bounds, by why.",
+                                        labels=["backend", "reason"]),
+    }
+    for b in followed:
+        assert b.events is not None
+        events["batches"].add_metric([b.name], b.events.batches)
+        events["missed"].add_metric([b.name], b.events.gaps)
+        events["replayed"].add_metric([b.name], b.events.replayed)
+        events["unnamed"].add_metric([b.name], b.events.unnamed)
+        for reason, count in b.events.rejected.items():
+            events["rejected"].add_metric([b.name, reason], count)
+    yield from events.values()
+
+
 class _FleetCollector:
     def __init__(self, m: RouterMetrics):
         self.m = m
@@ -180,27 +213,7 @@ class _FleetCollector:
             per["blocks"].add_metric([b.name], b.cached_blocks())
             per["draining"].add_metric([b.name], 1.0 if b.endpoint.draining else 0.0)
         yield from per.values()
-        followed = [b for b in backends if b.events is not None]
-        if followed:
-            events = {
-                "batches": CounterMetricFamily("tokenfleet_router_kv_event_batches", "KV-event batches applied.",
-                                               labels=["backend"]),
-                "missed": CounterMetricFamily("tokenfleet_router_kv_event_batches_missed",
-                                              "KV-event batches skipped in the sequence.", labels=["backend"]),
-                "replayed": CounterMetricFamily("tokenfleet_router_kv_event_batches_replayed",
-                                                "KV-event batches applied from the replica's replay socket.",
-                                                labels=["backend"]),
-                "unnamed": CounterMetricFamily("tokenfleet_router_kv_event_blocks_unnamed",
-                                               "Stored blocks the router could not key by its own hash.",
-                                               labels=["backend"]),
-            }
-            for b in followed:
-                assert b.events is not None
-                events["batches"].add_metric([b.name], b.events.batches)
-                events["missed"].add_metric([b.name], b.events.gaps)
-                events["replayed"].add_metric([b.name], b.events.replayed)
-                events["unnamed"].add_metric([b.name], b.events.unnamed)
-            yield from events.values()
+        yield from _kv_event_families([b for b in backends if b.events is not None])
         yield GaugeMetricFamily(rm.PENDING, "Requests held because no replica is ready.", value=self.m.pending())
         yield GaugeMetricFamily("tokenfleet_router_held_request_bytes", "Body bytes of the requests held for a "
                                 "replica.", value=self.m.held_bytes())

@@ -4,15 +4,20 @@ routing").
 Its backends are the targets' router pods (endpoints.json, ``tier`` = the target's name) and the classifier's
 router pods (tier ``@classifier``). For each request it:
 
-1. checks the request names the route's public model (else 404);
-2. takes the override header, when present (an unknown target is a 400), else
+1. checks the request names the route's public model (else 404), and has passed fewer than ``MAX_ROUTE_HOPS``
+   routes (``x-tokenfleet-route-hops``, which it sends on one higher: else 508, a loop of routes);
+2. takes the override header, when present and allowed (``override``: off, the default, refuses it with 403;
+   keys lets in only the clients whose key is in the override keys; any lets in every client), to the target it
+   names (an unknown target is a 400, a saturated one a 429 with Retry-After: an override is never sent past a
+   target's ``maxConcurrentRequests``, nor spilled to another target), else
 3. scores the request (``difficulty.py``; prompt tokens counted with the first target's tokenizer and chat
    template) and, with a classifier, asks it for a grade within its timeout (any failure: the rules decide,
    counted in ``tokenfleet_router_route_classifier_fallbacks_total{reason}``), or ranks the targets by cost
    (``route_policy.by_cost``, from targets.json);
 4. rewrites the request's ``model`` to the target's served model name, and hashes the prompt's prefix blocks
    with that target's own tokenizer (each target keeps its own tokenizer and chat template);
-5. answers with the target's response as it comes: its usage is the target's, counted by its tokenizer; the
+5. forwards it without the override header (a target that is itself a route decides for itself), and
+   answers with the target's response as it comes: its usage is the target's, counted by its tokenizer; the
    response carries ``x-tokenfleet-route-target``, ``x-tokenfleet-route-reason`` and
    ``x-tokenfleet-route-detail`` (the reason in words), and the decision is counted
    in ``tokenfleet_router_route_decisions_total{target,reason}``.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +35,12 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tokenfleet_serving.contract.route_files import CLASSIFIER_TIER, RouteConfig, TargetStatus, parse_targets
+from tokenfleet_serving.contract.route_files import CLASSIFIER_TIER, HOPS_HEADER, MAX_ROUTE_HOPS, RouteConfig, TargetStatus, parse_targets
 from tokenfleet_serving.contract.router_files import ConfigError
 from tokenfleet_serving.engine.tokenizer import Tokenizer
 from tokenfleet_serving.openai.errors import ApiError
 from tokenfleet_serving.router import route_policy as rp
+from tokenfleet_serving.router.auth import ClientKeys, KeyFileError
 from tokenfleet_serving.router.difficulty import features, grading_prompt, parse_grade, score
 from tokenfleet_serving.router.prompt import PromptInfo, prompt_info
 from tokenfleet_serving.router.state import Fleet
@@ -44,6 +51,7 @@ TARGET_HEADER = "x-tokenfleet-route-target"
 REASON_HEADER = "x-tokenfleet-route-reason"
 DETAIL_HEADER = "x-tokenfleet-route-detail"       # the reason in words, e.g. "difficulty 1 (tools)"
 FALLBACK_REASONS = ("unavailable", "timeout", "error", "no-grade")
+OVERRIDE_REFUSALS = ("off", "key", "unknown-target", "saturated")
 
 
 @dataclass(frozen=True)
@@ -82,14 +90,72 @@ class RouteMode:
                                     "while it misses it (absent: not measured).", ["target"], registry=registry)
         self.target_cost = Gauge("tokenfleet_router_route_target_cost_per_million_tokens", "The target's measured "
                                  "cost per million tokens (absent: unknown).", ["target"], registry=registry)
+        self.override_refusals = Counter("tokenfleet_router_route_override_refusals", "Requests refused for their "
+                                         "override header, by why.", ["reason"], registry=registry)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason=reason)
+        for reason in OVERRIDE_REFUSALS:
+            self.override_refusals.labels(reason=reason)
+        self.override_keys: ClientKeys | None = None
+        self._load_override_keys()
         self._show_targets()
+
+    # ---- who may override, and how far a request has come ---------------------------------------------
+    def _load_override_keys(self) -> None:
+        """The override keys (override keys); while they cannot be read, no client may override (logged)."""
+        if self.route.override != "keys" or self.route.override_keys is None:
+            return
+        if self.override_keys is not None:
+            self.override_keys.reload()
+            return
+        try:
+            self.override_keys = ClientKeys(self.route.override_keys)
+        except KeyFileError as exc:
+            log.error("%s: no client may send %s until they can be read", exc, self.route.override_header)
+
+    def checked_override(self, headers: Mapping[str, str]) -> str | None:
+        """The target the request's override header names, once the request is let through: fewer than
+        MAX_ROUTE_HOPS routes passed (else 508), and a client that may override (else 403)."""
+        hops = self.hops(headers)
+        if hops >= MAX_ROUTE_HOPS:
+            raise ApiError(508, f"the request has passed {hops} routes (at most {MAX_ROUTE_HOPS}): the routes "
+                                "send it round in a loop; check their targets' tokenRoute fields", HOPS_HEADER)
+        header = self.route.override_header
+        override = headers.get(header)
+        if override is None:
+            return None
+        if self.route.override == "off":
+            self.override_refusals.labels(reason="off").inc()
+            raise ApiError(403, f"this route takes no {header} header (its spec.override is off)", header)
+        if self.route.override == "keys" and (self.override_keys is None
+                                              or not self.override_keys.allows(headers.get("Authorization"))):
+            self.override_refusals.labels(reason="key").inc()
+            raise ApiError(403, f"the {header} header is only for the keys in the route's "
+                                "spec.overrideKeysSecretName", header)
+        return override
+
+    @staticmethod
+    def hops(headers: Mapping[str, str]) -> int:
+        """The routes the request has passed (its HOPS_HEADER; absent: 0); not a small number: 400."""
+        value = headers.get(HOPS_HEADER)
+        if value is None:
+            return 0
+        if not (value.isascii() and value.isdigit() and len(value) <= 3):
+            raise ApiError(400, f"the {HOPS_HEADER} header must be a number of routes, 0 to 999", HOPS_HEADER)
+        return int(value)
+
+    def forward_headers(self, headers: dict[str, str], received: Mapping[str, str]) -> None:
+        """What a target is sent: no override header (a target that is a route decides for itself, by its own
+        rules), and one hop more."""
+        for name in [k for k in headers if k.lower() in (self.route.override_header, HOPS_HEADER)]:
+            del headers[name]
+        headers[HOPS_HEADER] = str(self.hops(received) + 1)
 
     # ---- targets.json --------------------------------------------------------------------------------
     def reload_targets(self) -> None:
         """Re-read targets.json when its bytes changed; a missing or bad file keeps the last good state (at the
         start: nothing known, every cost unknown)."""
+        self._load_override_keys()
         try:
             text = self.targets_path.read_bytes()
         except OSError:
@@ -144,12 +210,8 @@ class RouteMode:
         scored = await self._info(first, kind, body)
         decision: rp.RouteDecision | None
         if override is not None:
-            if override not in self.by_name:
-                raise ApiError(400, f"the {self.route.override_header} header names no target of this route "
-                                    f"(one of: {', '.join(self.names)})", self.route.override_header)
-            decision = rp.RouteDecision(override, rp.OVERRIDE, f"{self.route.override_header}: {override}") \
-                if override in available else None
-        elif self.route.policy == "cost":
+            return await self._override(override, kind, body, fleet, available, scored)
+        if self.route.policy == "cost":
             decision = rp.by_cost(self.names, self.status, available, self.saturated(fleet))
         else:
             s = score(features(kind, body, scored.num_tokens, scored.max_tokens), self.route.difficulty)
@@ -166,6 +228,31 @@ class RouteMode:
         self.decisions.labels(target=decision.target, reason=decision.reason).inc()
         target = self.by_name[decision.target]
         info = scored if decision.target == first else await self._info(decision.target, kind, body)
+        return Routed(decision, target.model, info, target.kv_block_size)
+
+    async def _override(self, override: str, kind: str, body: Any, fleet: Fleet, available: set[str],
+                        scored: PromptInfo) -> Routed | None:
+        """The target the override header names, unless it is saturated (429: an override is not spilled)."""
+        header = self.route.override_header
+        if override not in self.by_name:
+            self.override_refusals.labels(reason="unknown-target").inc()
+            raise ApiError(400, f"the {header} header names no target of this route (one of: "
+                                f"{', '.join(self.names)})", header)
+        if override not in available:
+            return None
+        info = scored if override == self.names[0] else await self._info(override, kind, body)
+        # after the last await: nothing runs between this check and the request counted open at the target
+        if override in self.saturated(fleet):
+            self.override_refusals.labels(reason="saturated").inc()
+            limit = self.by_name[override].max_concurrent
+            raise ApiError(429, f"the target {override} that the {header} header names is saturated ("
+                                + (f"{limit} requests open, its maxConcurrentRequests" if limit is not None
+                                   else "its service is at maxReplicas or has no ready replica")
+                                + "); retry later, or send the request without the header",
+                           header, headers={"Retry-After": "1"})
+        decision = rp.RouteDecision(override, rp.OVERRIDE, f"{header}: {override}")
+        self.decisions.labels(target=override, reason=rp.OVERRIDE).inc()
+        target = self.by_name[override]
         return Routed(decision, target.model, info, target.kv_block_size)
 
     async def _info(self, target: str, kind: str, body: Any) -> PromptInfo:

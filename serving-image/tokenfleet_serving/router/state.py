@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenfleet_serving.contract.lora_adapters import ADAPTER_ROOT_METRIC
 from tokenfleet_serving.contract.router_files import Endpoint, RouterConfig
-from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM, BackendRuntime, RoutedBlocks
+from tokenfleet_serving.router.backend_runtime import DEFAULT_RECORDED_BLOCKS, RUNTIME, TOKENFLEET, VLLM, BackendRuntime, RoutedBlocks
 from tokenfleet_serving.router.kv_events import EventBlocks
 from tokenfleet_serving.router.policy import BackendView
 
@@ -291,10 +291,11 @@ class Fleet:
                 old.listed_ready = old.listed_ready or ep.ready
                 fresh[ep.pod] = old
             else:
-                routed = RoutedBlocks() if self.runtime.records_routed_blocks else None
+                first = min(DEFAULT_RECORDED_BLOCKS, self.config.max_recorded_blocks)
+                routed = RoutedBlocks(first) if self.runtime.records_routed_blocks else None
                 fresh[ep.pod] = BackendState(
                     ep, listed_ready=ep.ready, routed=routed,
-                    events=EventBlocks(self.config.kv_block_size, name=ep.pod, routed=routed)
+                    events=EventBlocks(self.config.kv_block_size, first, name=ep.pod, routed=routed)
                     if self.uses_kv_events else None)
         self.backends = fresh
         self.endpoints_loaded = True
@@ -311,9 +312,11 @@ class Fleet:
             sample = replace(sample, ready=True)   # its HTTP server, /metrics included, starts after the engine
         if sample.block_size is not None and block_size is None:
             block_size = sample.block_size
-        for record in (b.routed, b.events):
-            if record is not None and sample.cache_blocks is not None and sample.cache_blocks != record.capacity:
-                record.resize(sample.cache_blocks)
+        if sample.cache_blocks is not None:     # as large as its cache, at most maxRecordedBlocks
+            capacity = min(sample.cache_blocks, self.config.max_recorded_blocks)
+            for record in (b.routed, b.events):
+                if record is not None and capacity != record.capacity:
+                    record.resize(capacity)
         b.sample, b.polled_at, b.failed, b.last_error = sample, now, False, None
         if cached is not None:
             b.cached = cached

@@ -139,3 +139,27 @@ def test_a_route_over_two_services_sends_easy_requests_small_and_hard_ones_large
         assert body["usage"]["prompt_tokens"] != easy_prompt_tokens     # the large model's own tokenizer
     finally:
         op.stop()
+
+
+def test_the_api_server_refuses_a_credential_override_header_and_override_keys_without_their_secret(cluster,
+                                                                                                     namespace):
+    """overrideHeader Authorization (and the like) was accepted; who may override is spec.override, and its
+    keys need spec.overrideKeysSecretName (docs/routing.md, "Override")."""
+    install(cluster)
+    for header in ("Authorization", "cookie", "Host", "Content-Length", "Connection", "x-tokenfleet-route-hops"):
+        err = refused(cluster, namespace, route("hdr", overrideHeader=header))
+        assert "spec.overrideHeader" in err and "must not be a credential, hop-by-hop or router header" in err, err
+    err = refused(cluster, namespace, route("keys", override="keys"))
+    assert "spec.overrideKeysSecretName" in err and "required with override keys" in err
+    err = refused(cluster, namespace, route("any", override="any", overrideKeysSecretName="ops"))
+    assert "spec.overrideKeysSecretName" in err
+    err = refused(cluster, namespace, route("who", override="admins"))
+    assert "spec.override" in err
+    for name, spec in (("ok-keys", {"override": "keys", "overrideKeysSecretName": "ops"}),
+                       ("ok-default", {"overrideHeader": "x-pick-target"})):
+        out = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                              input=yaml.safe_dump(route(name, **spec)), check=False)
+        assert out.returncode == 0, out.stderr
+    obj = json.loads(cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+                                     input=yaml.safe_dump(route("defaults"))).stdout)
+    assert obj["spec"]["override"] == "off"

@@ -104,7 +104,7 @@ def plane(tmp_path_factory):
                       "responseSchema": True}
         pending, sizes = {}, {}
         for key, route in (
-                ("rules", {"policy": "difficulty", "targets": targets, "difficulty": difficulty}),
+                ("rules", {"policy": "difficulty", "targets": targets, "difficulty": difficulty, "override": "any"}),
                 ("slow", {"policy": "difficulty", "targets": targets, "difficulty": difficulty,
                           "classifier": {"model": "grader", "timeoutMs": 200}}),
                 ("hard", {"policy": "difficulty", "targets": targets, "difficulty": difficulty,

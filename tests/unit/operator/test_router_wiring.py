@@ -76,3 +76,17 @@ def test_router_mounts_the_model_for_its_tokenizer():
     children = desired_children(body, spec)
     assert [v["name"] for v in children.others[1]["spec"]["template"]["spec"]["volumes"]] == ["config", "tmp"]
     assert json.loads(children.others[0]["data"]["router.json"])["modelPath"] == "/opt/model"
+
+
+def test_routing_max_recorded_blocks_reaches_the_router():
+    import pytest
+    from pydantic import ValidationError
+
+    from tokenfleet_serving.contract.router_files import DEFAULT_MAX_RECORDED_BLOCKS, parse_router_config
+
+    for routing, want in (({}, DEFAULT_MAX_RECORDED_BLOCKS), ({"maxRecordedBlocks": 4096}, 4096)):
+        body, spec = build(routing=routing)
+        cm = desired_children(body, spec).others[0]
+        assert parse_router_config(json.loads(cm["data"]["router.json"])).max_recorded_blocks == want
+    with pytest.raises(ValidationError, match="maxRecordedBlocks|max_recorded_blocks"):
+        build(routing={"maxRecordedBlocks": 10})

@@ -172,3 +172,31 @@ def test_a_target_or_its_router_pods_changing_queues_the_routes_naming_it():
     assert routes_naming(Cache(), "Pod", pod) == [("TokenRoute", "ns", "chat")]
     assert routes_naming(Cache(), "TokenRoute", route_body("chat")) == [("TokenRoute", "ns", "other")]
     assert routes_naming(Cache(), "Node", {"metadata": {"name": "n"}}) == []
+
+
+@pytest.mark.parametrize("header", ["Authorization", "cookie", "HOST", "Content-Length", "connection",
+                                    "x-tokenfleet-route-hops"])
+def test_a_credential_or_hop_by_hop_override_header_is_refused_naming_the_field(header):
+    from tokenfleet_operator.api.token_route import RESERVED_HEADER_REFUSAL
+    with pytest.raises(ValidationError, match="overrideHeader must not be"):
+        TokenRouteSpec.model_validate(route_body(overrideHeader=header)["spec"])
+    assert "authorization" in RESERVED_HEADER_REFUSAL
+
+
+def test_override_is_off_by_default_and_keys_need_their_secret_which_the_router_gets_mounted():
+    spec = TokenRouteSpec.model_validate(route_body()["spec"])
+    r = resolve("chat", spec, SERVICES.get, lambda n: None)
+    cm, deploy, _ = desired_route_children(route_body(), spec, r.targets, [], [], None)
+    route = parse_router_config(json.loads(cm["data"]["router.json"])).route
+    assert route is not None and (route.override, route.override_keys) == ("off", None)
+    for bad in ({"override": "keys"}, {"override": "any", "overrideKeysSecretName": "ops"}):
+        with pytest.raises(ValidationError, match="overrideKeysSecretName is required"):
+            TokenRouteSpec.model_validate(route_body(**bad)["spec"])
+    spec = TokenRouteSpec.model_validate(route_body(override="keys", overrideKeysSecretName="ops")["spec"])
+    cm, deploy, _ = desired_route_children(route_body(), spec, r.targets, [], [], None)
+    route = parse_router_config(json.loads(cm["data"]["router.json"])).route
+    assert route is not None and (route.override, route.override_keys) == ("keys", "/var/run/tokenfleet/override-keys")
+    pod = deploy["spec"]["template"]["spec"]
+    assert {"name": "override-keys", "secret": {"secretName": "ops"}} in pod["volumes"]
+    assert {"name": "override-keys", "mountPath": "/var/run/tokenfleet/override-keys", "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]

@@ -429,3 +429,107 @@ def test_the_routed_record_stands_in_where_events_are_silent_and_the_events_corr
     b_events.apply(2, decode_batch(batch({"type": "AllBlocksCleared"})))
     decision = choose(request, fleet.views(None), params)
     assert decision.matched_blocks == 0 and fleet.backends["b"].cached_blocks() == 0
+
+
+# ---- what a hostile or broken publisher sends (docs/routing.md, "KV events": bounds) --------------------------
+def test_a_malformed_event_is_skipped_and_counted_and_the_rest_of_its_batch_applied():
+    blocks = EventBlocks(BS, name="r0")
+    rejected: list[str] = []
+    events = decode_batch(batch(stored([[1, 2]], None, PROMPT[:4]),          # a list where a hash belongs
+                                stored([1], [9, 9], PROMPT[:4]),            # ... and as the parent
+                                stored([b"x" * 65], None, PROMPT[:4]),      # a hash longer than any vLLM sends
+                                stored([2], None, [2**40, 1, 2, 3]),        # a token no tokenizer has
+                                stored([3], None, PROMPT[:4], lora_name=7),
+                                stored([4], None, PROMPT[:4])), rejected)
+    assert len(rejected) == 5 and "block_hashes" in rejected[0] and "parent_block_hash" in rejected[1]
+    blocks.apply(0, events)
+    assert list(blocks) == list(block_hashes(PROMPT[:4], BS))
+    with pytest.raises(EventFormatError):           # strict without the list
+        decode_batch(batch(stored([[1, 2]], None, PROMPT[:4])))
+
+
+def test_a_batch_over_the_bounds_is_refused_whole(monkeypatch):
+    from tokenfleet_serving.router import kv_events
+    monkeypatch.setattr(kv_events, "MAX_EVENTS_PER_BATCH", 3)
+    monkeypatch.setattr(kv_events, "MAX_BLOCKS_PER_BATCH", 5)
+    with pytest.raises(kv_events.OversizeBatchError, match="4 events"):
+        decode_batch(batch(*[removed([i]) for i in range(4)]))
+    with pytest.raises(kv_events.OversizeBatchError, match="6 block hashes"):
+        decode_batch(batch(removed([1, 2, 3]), removed([4, 5, 6])))
+    blocks = EventBlocks(BS, name="r0")
+    assert kv_events.read_batch(blocks, batch(*[removed([i]) for i in range(4)]), "test") is None
+    assert blocks.rejected == {"message": 0, "event": 0, "oversize": 1}
+
+
+def test_one_block_under_many_vllm_hashes_keeps_the_maps_as_small_as_the_record():
+    """Fake hashes for one block's tokens (600k of them took 120 MB before): each replaces the last."""
+    blocks = EventBlocks(BS, capacity=64, name="r0")
+    for seq in range(200):
+        blocks.apply(seq, decode_batch(batch(*[stored([seq * 100 + i], None, PROMPT[:4]) for i in range(100)])))
+    assert len(blocks) == 1 and len(blocks.ours) == 1 and len(blocks.theirs) == 1
+    assert blocks.ours == {19999: block_hashes(PROMPT[:4], BS)[0]}
+    for seq in range(200, 260):                     # distinct blocks: the least recently stored go first
+        blocks.apply(seq, decode_batch(batch(stored([seq], None, [seq, 1, 2, 3]))))
+    assert len(blocks) == len(blocks.ours) == len(blocks.theirs) == 61
+    blocks.apply(260, decode_batch(batch(*[stored([10**6 + i], None, [i, 7, 7, 7]) for i in range(100)])))
+    assert len(blocks) == len(blocks.ours) == len(blocks.theirs) == 64
+
+
+def test_a_replica_reporting_a_huge_cache_gets_a_record_of_at_most_max_recorded_blocks():
+    from tokenfleet_serving.contract.router_files import DEFAULT_MAX_RECORDED_BLOCKS
+    from tokenfleet_serving.router.state import EngineSample
+
+    for raw, limit in (({}, DEFAULT_MAX_RECORDED_BLOCKS), ({"maxRecordedBlocks": 2048}, 2048)):
+        config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents", **raw})
+        assert parse_router_config(router_config_json(config)) == config
+        fleet = Fleet(config, runtime=RUNTIME[VLLM])
+        fleet.set_endpoints([Endpoint("a", "127.0.0.1", 1, True)])
+        fleet.record_poll("a", EngineSample(cache_blocks=10**9), None, None)
+        b = fleet.backends["a"]
+        assert b.events is not None and b.routed is not None
+        assert b.events.capacity == b.routed.capacity == limit
+        fleet.record_poll("a", EngineSample(cache_blocks=1500), None, None)
+        assert b.events.capacity == 1500
+    with pytest.raises(ConfigError, match="maxRecordedBlocks"):
+        parse_router_config({"maxRecordedBlocks": 10})
+
+
+def test_malformed_and_oversized_messages_leave_the_subscription_following(monkeypatch):
+    """Over real ZeroMQ: a list where a hash belongs (which ended the subscription for good before), a message
+    over zmq.MAXMSGSIZE (the connection is dropped and made again) and garbage; then a good batch still lands,
+    and the skips show in the metric."""
+    from prometheus_client import generate_latest
+
+    from tokenfleet_serving.router import kv_events
+    from tokenfleet_serving.router.metrics import RouterMetrics
+    monkeypatch.setattr(kv_events, "MAX_MESSAGE_BYTES", 4096)
+    config = parse_router_config({"kvBlockSize": BS, "prefixSource": "kvEvents"})
+    fleet = Fleet(config, runtime=RUNTIME[VLLM])
+    fleet.set_endpoints([Endpoint("r0", "127.0.0.1", 1, True)])
+    blocks = fleet.backends["r0"].events
+    assert blocks is not None
+
+    async def scenario() -> None:
+        pub = ReplayingPublisher()
+        task = asyncio.ensure_future(follow(f"tcp://127.0.0.1:{pub.pub_port}", blocks))
+        try:
+            await publish_until(pub, batch(stored([1], [5, 6], PROMPT[:4]), stored([2], None, PROMPT[:4])),
+                                lambda: blocks.batches > 0)
+            await pub.publish(batch(stored([3], 2, PROMPT[4:8]), stored([4], 3, PROMPT[8:12]),
+                                    stored([[7]], 4, PROMPT[12:16])))
+            await until(lambda: len(blocks) == 3)
+            await pub.publish(b"\x00" * 8192)                    # over MAXMSGSIZE: the connection is dropped
+            await until(lambda: blocks.reconnects == 1)
+            await publish_until(pub, b"\xc1", lambda: blocks.rejected["message"] > 0)     # not msgpack
+            await publish_until(pub, batch(stored([5], 4, PROMPT[12:16])), lambda: len(blocks) == 4)
+            assert not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pub.close()
+
+    asyncio.run(scenario())
+    assert list(blocks) == list(block_hashes(PROMPT[:16], BS))
+    assert blocks.rejected["event"] >= 2 and blocks.rejected["message"] >= 1
+    text = generate_latest(RouterMetrics(fleet, tokenizer_loaded=True).registry).decode()
+    assert 'tokenfleet_router_kv_event_rejected_total{backend="r0",reason="event"}' in text
