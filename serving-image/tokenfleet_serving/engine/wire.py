@@ -11,8 +11,9 @@ and every array's bytes are checked to lie inside the frame, so a frame can carr
 make the receiver run anything (unlike pickle, whose frames name any callable to call). A frame that breaks
 these rules is ``WireError``.
 
-Speed: a 64-sequence decode batch encodes in about 0.1 ms and decodes in about as long, on a par with the
-pickle it replaced; the batch is on the critical path of every step on both sides.
+Speed: a 64-sequence decode batch encodes in about 0.06 ms and decodes in about 0.05 ms (the numpy-backed
+pickle this replaced: 0.04 and 0.02 ms, measured together on the development host); the batch is on the
+critical path of every step on both sides.
 """
 from __future__ import annotations
 

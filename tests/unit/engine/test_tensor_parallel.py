@@ -18,8 +18,8 @@ import torch
 from tokenfleet_serving.bench.parallel import free_port, greedy, open_engine, probe_logits, w1_prompts
 from tokenfleet_serving.engine.distributed import ParallelConfig, ParallelConfigError, RankFailure
 from tokenfleet_serving.engine.loader import load_config
-from tokenfleet_serving.engine.rendezvous import derive_key
 from tokenfleet_serving.engine.model import split_error
+from tokenfleet_serving.engine.rendezvous import derive_key
 from tokenfleet_serving.testing_models import create_random_checkpoint
 
 W1_OUTPUT = 128
