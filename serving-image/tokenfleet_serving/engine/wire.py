@@ -100,8 +100,10 @@ class _Encoder:
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _TORCH_DTYPES:
             raise TypeError(f"a tensor of dtype {t.dtype} cannot be sent to the other ranks")
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.dim() else t.detach().reshape(1).view(torch.uint8)
-        return {"A": [dtype, list(t.shape), self._array(flat.numpy())]}
+        flat = t.detach().reshape(-1)
+        if flat.stride(0) != 1:          # an expanded tensor (one element seen many times), or an empty one
+            flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+        return {"A": [dtype, list(t.shape), self._array(flat.view(torch.uint8).numpy())]}
 
     def frame(self, tree: Any) -> bytearray:
         header = json.dumps(tree, separators=(",", ":")).encode()

@@ -195,10 +195,14 @@ def test_a_step_batch_and_the_setup_go_through_the_encoding_unchanged():
     chunks.append(SeqChunk(list(range(30)), 0, [40, 41], True))
     batch = build_batch(chunks, 16, torch.device("cpu"))
     setup = RankSetup(torch.bfloat16, "int8", True, None, 1 << 20, 16, memory_utilization=0.5)
-    message = ("forward", batch, False, {"x": np.arange(3, dtype=np.int32)}, setup, torch.ones(2, dtype=torch.bfloat16))
+    odd = [torch.tensor(7).expand(1), torch.tensor(5).expand(3), torch.tensor(5).expand(0), torch.tensor(3),
+           torch.arange(6).reshape(2, 3).t(), torch.zeros(0, 4)]      # expanded, empty, 0-d, strided
+    message = ("forward", batch, False, {"x": np.arange(3, dtype=np.int32)}, setup, torch.ones(2, dtype=torch.bfloat16),
+               odd)
     got = wire.decode(bytes(wire.encode(message)))
     assert got[0] == "forward" and got[2] is False and got[4] == setup
     assert np.array_equal(got[3]["x"], message[3]["x"]) and torch.equal(got[5], message[5])
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got[6], odd))
     for name in ("input_ids", "positions", "slots", "logits_rows"):
         assert torch.equal(getattr(got[1], name), getattr(batch, name))
     assert got[1].sample_order == batch.sample_order and got[1].position_range == batch.position_range
