@@ -4,7 +4,9 @@
 ``LLMEngine`` for the leader host's other local ranks, and by ``tokenfleet serve --headless`` for every
 rank of a member host). What to build (dtype, quantization, KV budget, block size) comes from rank 0 at
 join (``RankSetup``), so every rank builds the same model; the checkpoint is this rank's own ``--model``,
-which must be the same checkpoint as rank 0's (checked at join).
+which must be the same checkpoint as rank 0's (checked at join). The key it proves at the rendezvous
+(``rendezvous.py``) comes from the server that started it, on its stdin (``--rendezvous-key-from-stdin``);
+started by hand, it derives the key from the environment as a multi-host server does.
 
 Exit codes: 0 when rank 0 released it; 1 when the group broke (a rank gone, a collective timed out, the join
 failed or the checkpoints differ), with the reason as one line in the termination log.
