@@ -82,6 +82,7 @@ def test_foreign_processes_that_join_first_are_refused_and_nothing_they_send_is_
         wait_until(lambda: _listening(port), 120, what="the leader's rendezvous port")
         foreign = subprocess.run([sys.executable, "-c", FOREIGN_RANK, str(port), str(marker)], capture_output=True,
                                  text=True, timeout=120)
+        assert not marker.exists(), "the leader unpickled what the foreign rank sent"
         assert foreign.returncode != 0 and "FOREIGN RANK JOINED" not in foreign.stdout, foreign.stdout
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(pickle.dumps(_Planted(str(raw_marker))) * 4)
