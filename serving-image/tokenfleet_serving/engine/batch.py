@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .wire import wire_type
+
 if TYPE_CHECKING:
     from .layers.lora import LoRARows
 
@@ -36,6 +38,7 @@ class SeqChunk:
     adapter: int = -1           # the request's LoRA adapter: index into the step's adapters; -1: base model
 
 
+@wire_type
 @dataclass
 class PagedGroup:
     """Sequences attended together: queries padded to ``q_len``, keys gathered by block."""
@@ -61,6 +64,7 @@ class PagedGroup:
         return torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None]).to(self.block_ids.device)
 
 
+@wire_type
 @dataclass
 class LongSpan:
     offset: int                 # first row in the flat batch
@@ -70,6 +74,7 @@ class LongSpan:
     mask: torch.Tensor | None        # [length, context] bool, True = may attend
 
 
+@wire_type
 @dataclass
 class PrefillChunks:
     """Every chunk of more than one token, for the compiled prefill attention (one call per layer)."""
@@ -80,6 +85,7 @@ class PrefillChunks:
     ends: list[int]             # [P] starts + n_q: keys each chunk's sequence has after it
 
 
+@wire_type
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor     # [T]

@@ -8,8 +8,10 @@ next ``step()``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -245,6 +247,8 @@ class LLMEngine:
         if why is not None:
             raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size}: {why}")
         identity = checkpoint_identity(self.config.model, self.config.model_revision)
+        if parallel.key is None and parallel.nnodes == 1:      # every rank is a child of this process
+            parallel = dataclasses.replace(parallel, key=secrets.token_bytes(32))
         if parallel.node_rank == 0:
             self.followers = spawn_local_ranks(parallel, self.config.model, self.config.model_revision,
                                                range(1, parallel.local_ranks), threads, self.device.type)

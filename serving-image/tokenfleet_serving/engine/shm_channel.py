@@ -222,7 +222,7 @@ class ShmChannel:
                     out[r0:r0 + k, r * n:(r + 1) * n].copy_(self._slot(p, r, k * row_bytes).view(x.dtype).view(k, n))
         return out
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
+    def broadcast_bytes(self, data: bytes | bytearray | None) -> bytes | bytearray:
         """Rank 0 sends ``data``; every rank returns it. The first round carries the length (8 bytes) and as much
         of the data as fits after it."""
         everyone = range(self.size)
@@ -230,7 +230,8 @@ class ShmChannel:
         if self.rank == 0:
             assert data is not None
             total = len(data)
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+            writable = data if isinstance(data, bytearray) else bytearray(data)
+            src = torch.frombuffer(writable, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
         got: bytearray | None = None
         offset = 0
         first = True
@@ -260,7 +261,7 @@ class ShmChannel:
         if self.rank == 0:
             assert data is not None
             return data
-        return bytes(got or b"")
+        return got if got is not None else bytearray()
 
     def close(self) -> None:
         self.comm = None

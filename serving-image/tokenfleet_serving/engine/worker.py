@@ -4,7 +4,9 @@
 ``LLMEngine`` for the leader host's other local ranks, and by ``tokenfleet serve --headless`` for every
 rank of a member host). What to build (dtype, quantization, KV budget, block size) comes from rank 0 at
 join (``RankSetup``), so every rank builds the same model; the checkpoint is this rank's own ``--model``,
-which must be the same checkpoint as rank 0's (checked at join).
+which must be the same checkpoint as rank 0's (checked at join). The key it proves at the rendezvous
+(``rendezvous.py``) comes from the server that started it, on its stdin (``--rendezvous-key-from-stdin``);
+started by hand, it derives the key from the environment as a multi-host server does.
 
 Exit codes: 0 when rank 0 released it; 1 when the group broke (a rank gone, a collective timed out, the join
 failed or the checkpoints differ), with the reason as one line in the termination log.
@@ -12,6 +14,7 @@ failed or the checkpoints differ), with the reason as one line in the terminatio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -27,11 +30,14 @@ from .config import ModelConfig
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
+from .rendezvous import key_from_environment
 from .tokenizer import Tokenizer
+from .wire import wire_type
 
 log = logging.getLogger("tokenfleet.worker")
 
 
+@wire_type
 @dataclass(frozen=True)
 class RankSetup:
     """What rank 0 decided, which every rank builds alike."""
@@ -169,10 +175,14 @@ def spawn_local_ranks(parallel: ParallelConfig, model_dir: str, revision: str | 
                "--tensor-parallel-size", str(parallel.tensor_parallel_size), "--nnodes", str(parallel.nnodes),
                "--node-rank", str(parallel.node_rank), "--master-addr", parallel.master_addr,
                "--master-port", str(parallel.master_port), "--distributed-timeout-seconds", str(parallel.timeout_s),
-               "--threads", str(threads), "--device", device_type]
+               "--threads", str(threads), "--device", device_type, "--rendezvous-key-from-stdin"]
         if revision:
             cmd += ["--model-revision", revision]
-        procs.append(subprocess.Popen(cmd))
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        assert proc.stdin is not None and parallel.key is not None
+        with proc.stdin:                # the key on a pipe: not in the command line or the environment
+            proc.stdin.write(parallel.key.hex().encode() + b"\n")
+        procs.append(proc)
     return procs
 
 
@@ -191,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
 
     parallel = ParallelConfig(args.tensor_parallel_size, 1, args.nnodes, args.node_rank, args.master_addr,
                               args.master_port, args.distributed_timeout_seconds)
+    key = (bytes.fromhex(sys.stdin.readline().strip()) if args.rendezvous_key_from_stdin
+           else key_from_environment(parallel.address))
+    parallel = dataclasses.replace(parallel, key=key)
     device = torch.device("cuda", args.local_index) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -233,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--rendezvous-key-from-stdin", action="store_true",
+                   help="read the replica's rendezvous key (hex) from the first line of stdin (how the server gives "
+                        "it to its own ranks); default: derived from $TOKENFLEET_RENDEZVOUS_KEY or $TOKENFLEET_API_KEY")
     p.add_argument("--log-level", default=os.environ.get("TOKENFLEET_LOG_LEVEL", "warning"))
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -54,7 +54,10 @@ def speculative_config(args: ServeArgs):
 
 def parallel_config(args: ServeArgs):
     """The engine's ParallelConfig from the flags; ValueError naming the flag at fault."""
+    import dataclasses
+
     from tokenfleet_serving.engine.distributed import ParallelConfig
+    from tokenfleet_serving.engine.rendezvous import key_from_environment
 
     if args.nnodes > 1 and not args.master_addr:
         raise ValueError("--master-addr is required when --nnodes > 1 (the leader's address)")
@@ -65,6 +68,13 @@ def parallel_config(args: ServeArgs):
     config = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes, args.node_rank,
                             args.master_addr or "127.0.0.1", args.master_port, args.distributed_timeout_seconds)
     config.check()
+    if config.nnodes > 1:
+        key = key_from_environment(config.address, args.api_key)
+        if key is None:
+            raise ValueError("--nnodes > 1 needs the replica's rendezvous key on every host, so that only its own "
+                             "ranks can join: set TOKENFLEET_RENDEZVOUS_KEY (or --api-key / TOKENFLEET_API_KEY, "
+                             "which the operator sets) to the same secret on each")
+        config = dataclasses.replace(config, key=key)
     return config
 
 

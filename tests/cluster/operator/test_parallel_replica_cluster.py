@@ -218,7 +218,9 @@ def test_a_member_that_cannot_reach_the_leader_says_so_in_the_slice_condition(cl
               "--distributed-timeout-seconds", "5"]
 
     def template(command):
-        return {"spec": {"containers": [{"name": "main", "image": SERVING_IMAGE, "command": command}]}}
+        # hosts of a replica prove a shared key at the rendezvous; a Slice made by hand gives them one
+        env = [{"name": "TOKENFLEET_RENDEZVOUS_KEY", "value": "lonely's shared secret"}]
+        return {"spec": {"containers": [{"name": "main", "image": SERVING_IMAGE, "command": command, "env": env}]}}
 
     gang = {"apiVersion": "tokenfleet.dev/v1alpha1", "kind": "Slice", "metadata": {"name": "lonely"},
             "spec": {"accelerator": {"type": "cpu"}, "hosts": 2, "restartPolicy": {"maxRestarts": 0},

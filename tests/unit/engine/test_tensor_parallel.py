@@ -19,6 +19,7 @@ from tokenfleet_serving.bench.parallel import free_port, greedy, open_engine, pr
 from tokenfleet_serving.engine.distributed import ParallelConfig, ParallelConfigError, RankFailure
 from tokenfleet_serving.engine.loader import load_config
 from tokenfleet_serving.engine.model import split_error
+from tokenfleet_serving.engine.rendezvous import derive_key
 from tokenfleet_serving.testing_models import create_random_checkpoint
 
 W1_OUTPUT = 128
@@ -174,7 +175,7 @@ def _serve(args: list[str], env: dict) -> subprocess.Popen:
 
 def test_a_member_that_cannot_reach_the_leader_exits_in_bounded_time_naming_the_address(checkpoints, tmp_path):
     log = tmp_path / "termination-log"
-    env = {**os.environ, "TOKENFLEET_TERMINATION_LOG": str(log)}
+    env = {**os.environ, "TOKENFLEET_TERMINATION_LOG": str(log), "TOKENFLEET_RENDEZVOUS_KEY": "replica secret"}
     port, health = free_port(), free_port()
     started = time.monotonic()
     member = _serve(["--model", str(checkpoints["llama"]), "--headless", "--tensor-parallel-size", "2", "--nnodes", "2",
@@ -262,12 +263,14 @@ def test_a_rank_with_another_checkpoint_is_refused_naming_both_revisions(checkpo
     member = subprocess.Popen([sys.executable, "-m", "tokenfleet_serving.engine.worker", "--model", str(other),
                                "--rank", "1", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
                                "--master-port", str(port), "--distributed-timeout-seconds", "30"],
-                              env={**os.environ, "TOKENFLEET_TERMINATION_LOG": str(tmp_path / "log")})
+                              env={**os.environ, "TOKENFLEET_TERMINATION_LOG": str(tmp_path / "log"),
+                                   "TOKENFLEET_RENDEZVOUS_KEY": "replica secret"})
     try:
         with pytest.raises(RankFailure, match=r"rank 1 holds another checkpoint than rank 0: revision \w+ .* "
                                               r"revision \w+ .*refusing"):
             open_engine(checkpoints["llama"], 2, threads=1,
-                        parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=30))
+                        parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=30,
+                                                key=derive_key("replica secret", f"127.0.0.1:{port}")))
         assert member.wait(timeout=30) == 1
         assert "holds another checkpoint" in (tmp_path / "log").read_text()
     finally:
@@ -370,7 +373,8 @@ def test_a_leader_whose_members_never_join_fails_in_bounded_time_naming_its_addr
     started = time.monotonic()
     with pytest.raises(RankFailure, match=f"rank 0 of 2 \\(the leader\\) did not see every rank join its group at "
                                           f"127.0.0.1:{port} within 2s"):
-        open_engine(checkpoints["llama"], 2, parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=2))
+        open_engine(checkpoints["llama"], 2, parallel=ParallelConfig(2, nnodes=2, master_port=port, timeout_s=2,
+                                                                     key=b"k" * 32))
     assert time.monotonic() - started < 2 + 20
 
 
