@@ -33,6 +33,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "Secret": ("secrets", True),
     "NetworkPolicy": ("networkpolicies", True),
     "Deployment": ("deployments", True),
+    "PodDisruptionBudget": ("poddisruptionbudgets", True),
     "Node": ("nodes", False),
     "Namespace": ("namespaces", False),
     "InferenceService": ("inferenceservices", True),

@@ -227,7 +227,8 @@ class Cluster:
             "engine": {"dtype": "float32", "maxModelLen": self.s.context, "kvBlockSize": self.s.block_size,
                        "maxNumSeqs": 16, "maxNumBatchedTokens": 512, "enablePrefixCaching": True,
                        **self.runtime_engine(), **engine},
-            "routing": {"policy": policy, **(routing or {})},
+            # one router pod: the load goes to one pod's address, and a second would only add its polls
+            "routing": {"policy": policy, "replicas": 1, **(routing or {})},
             "price": PRICE,
             "image": VLLM_IMAGE if self.s.runtime == "vllm" else IMAGE,
         }

@@ -83,7 +83,7 @@ def service_manifest(name: str, model_dir: Path, replicas: int, store: Path, war
             "engine": {"dtype": "float32", "maxModelLen": 1024, "kvBlockSize": 16, "maxNumSeqs": 32,
                        "maxNumBatchedTokens": 1024, "extraArgs": ["--kv-cache-mb", "48", "--num-threads", "1",
                                                                  "--drain-timeout", "10"]},
-            "routing": {"policy": "prefix-aware"},
+            "routing": {"policy": "prefix-aware", "replicas": 1},     # the load and the readings: one router pod
             "slo": {"timeToFirstTokenMs": 2000, "timePerOutputTokenMs": 500},
             "image": "tokenfleet/serving:bench",
             "slicePolicy": {"restartPolicy": {"maxRestarts": 1000, "backoffSeconds": 0, "maxBackoffSeconds": 1},

@@ -119,6 +119,7 @@ class Plane:
                                          "countPerHost": 1, "hostsPerReplica": 1, "topology": "1"},
                          "engine": {"dtype": "float32", "maxModelLen": context, "kvBlockSize": 16, "maxNumSeqs": 8,
                                     "maxNumBatchedTokens": 512, "extraArgs": ["--num-threads", "1"]},
+                         "routing": {"replicas": 1},     # one router pod per target, as the results were measured
                          "price": PRICE, "image": IMAGE}}
 
     def route(self) -> dict:

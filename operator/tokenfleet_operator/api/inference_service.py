@@ -354,7 +354,18 @@ class RoutingSpec(ApiModel):
         "replica's own num_gpu_blocks when smaller; the least recently stored goes first). About 0.5 KB of "
         "router memory per block and replica, however large a cache a replica claims.", ge=1024, le=16 * 2**20,
     )
-    replicas: int = Field(default=1, description="Router pods.", ge=1, le=16)
+    replicas: int = Field(
+        default=2, description="Router pods. The router Service spreads connections over them; with 2 or more, "
+        "a router pod that dies costs only the streams that were on it, and a rolling update of the router "
+        "costs none (a PodDisruptionBudget lets one pod go at a time, and the pods spread over nodes). Session, "
+        "hold and load state are each pod's own.", ge=1, le=16,
+    )
+    drain_seconds: int = Field(
+        default=30, description="Seconds a router pod that is told to stop (rolling update, scale-down, node "
+        "drain) has to finish its open streams: it turns its readiness to 503 at once, keeps serving what "
+        "reaches it while the Service takes it out of its endpoints, and exits when no request is left open, "
+        "or when this time is up (the pod's terminationGracePeriodSeconds is this plus 5).", ge=1, le=3600,
+    )
     resources: ResourceRequirements | None = Field(default=None, description="Resources of each router pod.")
     migration_limit: int = Field(
         default=3, description="Times one streamed request may be moved to another replica when its replica fails "

@@ -1,5 +1,6 @@
 """InferenceService -> one Slice per replica, a router Deployment, its
-ConfigMap, the router Service and a headless Service over the replicas'
+ConfigMap, the router Service, the router's PodDisruptionBudget
+(``router_availability.py``) and a headless Service over the replicas'
 leader pods.
 
 A replica is one model split over all accelerators of its Slice
@@ -37,6 +38,12 @@ from tokenfleet_operator.builders.auth import (
     key_annotations,
     replica_key_env,
     replicas_network_policy,
+)
+from tokenfleet_operator.builders.router_availability import (
+    router_disruption_budget,
+    router_grace_seconds,
+    router_spreading,
+    router_strategy,
 )
 from tokenfleet_operator.builders.security import harden_container, harden_pod_spec
 from tokenfleet_operator.builders.slice_pods import RENDEZVOUS_PORT
@@ -311,6 +318,11 @@ def router_configmap(owner: dict[str, Any], spec: InferenceServiceSpec,
     }
 
 
+def router_selector(service: str) -> dict[str, str]:
+    """The labels that pick a service's router pods (its Service, Deployment and PodDisruptionBudget)."""
+    return {SERVICE_LABEL: service, ROLE_LABEL: "router"}
+
+
 def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring: Wiring = NO_WIRING) -> dict[str, Any]:
     name = owner["metadata"]["name"]
     labels = common_labels(name) | {ROLE_LABEL: "router"}
@@ -327,6 +339,7 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring:
             "--config", f"{ROUTER_CONFIG_MOUNT}/{ROUTER_CONFIG_KEY}",
             "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--model", model_dir,
+            "--drain-timeout", str(spec.routing.drain_seconds),
             *runtime_of(spec).router_args,
             *client_keys_args(spec),
         ],
@@ -344,6 +357,8 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring:
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": router_name(name)}}, *volumes, *client_keys_volume(spec)],
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": router_grace_seconds(spec.routing.drain_seconds),
+        "topologySpreadConstraints": router_spreading(router_selector(name)),
     })
     return {
         "apiVersion": "apps/v1",
@@ -351,7 +366,8 @@ def router_deployment(owner: dict[str, Any], spec: InferenceServiceSpec, wiring:
         "metadata": child_metadata(owner, router_name(name), labels),
         "spec": {
             "replicas": spec.routing.replicas,
-            "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: "router"}},
+            "strategy": router_strategy(),
+            "selector": {"matchLabels": router_selector(name)},
             "template": {
                 "metadata": {"labels": labels,
                              "annotations": {CONFIG_HASH_ANNOTATION: config_hash, **key_annotations(wiring)}},
@@ -369,7 +385,7 @@ def router_service(owner: dict[str, Any]) -> dict[str, Any]:
         "metadata": child_metadata(owner, name, common_labels(name) | {ROLE_LABEL: "router"}),
         "spec": {
             "type": "ClusterIP",
-            "selector": {SERVICE_LABEL: name, ROLE_LABEL: "router"},
+            "selector": router_selector(name),
             "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -399,7 +415,7 @@ class Children:
 
     revision: str
     slices: tuple[dict[str, Any], ...]  # index i -> manifest of replica i at the current revision
-    others: tuple[dict[str, Any], ...]  # ConfigMaps (adapters, router), Deployment, Services, in apply order
+    others: tuple[dict[str, Any], ...]  # ConfigMaps (adapters, router), Deployment, Services, PDB, in apply order
 
 
 def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
@@ -418,6 +434,7 @@ def desired_children(owner: dict[str, Any], spec: InferenceServiceSpec,
             router_configmap(owner, spec, endpoints),
             router_deployment(owner, spec, wiring),
             router_service(owner),
+            router_disruption_budget(owner, common_labels(name) | {ROLE_LABEL: "router"}, router_selector(name)),
             engines_service(owner),
             replicas_network_policy(owner, wiring, runtime_of(spec).kv_events(spec)),
         ),

@@ -66,6 +66,7 @@ WATCHED: tuple[tuple[str, str, str, str | None], ...] = (
     ("ConfigMap", "v1", "configmaps", SERVICE_LABEL),
     ("Service", "v1", "services", f"{MANAGED_BY_LABEL}={MANAGED_BY}"),   # a service's and a Slice's
     ("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies", SERVICE_LABEL),
+    ("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets", SERVICE_LABEL),
     ("Node", "v1", "nodes", None),
     ("PersistentVolumeClaim", "v1", "persistentvolumeclaims", None),
 )
@@ -89,6 +90,7 @@ CACHE_INDEXES = {
     "ConfigMap": (SERVICE_LABEL,),
     "Service": (SERVICE_LABEL, SLICE_LABEL),
     "NetworkPolicy": (SERVICE_LABEL,),
+    "PodDisruptionBudget": (SERVICE_LABEL,),
 }
 
 

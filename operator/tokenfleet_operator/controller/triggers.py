@@ -7,9 +7,9 @@ A key is ``(kind, namespace, name)``; the gang scheduler's pass is the single ke
   Slices; a gang-scheduled Slice: also the gang pass (a new, changed or deleted gang changes the plan);
 - a member pod (label ``tokenfleet.dev/slice``): its Slice, and the gang pass; a serving pod of a service:
   that service (its router's endpoints);
-- a router Deployment, ConfigMap, Service or NetworkPolicy of a service (label ``tokenfleet.dev/inference-service``): that
-  service (a child changed or was deleted by someone else: apply it again); the headless Service of a Slice
-  (label ``tokenfleet.dev/slice``): that Slice;
+- a router Deployment, ConfigMap, Service, NetworkPolicy or PodDisruptionBudget of a service (label
+  ``tokenfleet.dev/inference-service``): that service (a child changed or was deleted by someone else: apply it
+  again); the headless Service of a Slice (label ``tokenfleet.dev/slice``): that Slice;
 - a TokenRoute, or a child of one (label ``tokenfleet.dev/token-route``): that route (the routes that name an
   InferenceService or its router pods as a target come from ``route_triggers.py``, which needs the cache);
 - a Node or a SliceQueue: the gang pass (capacity or quota changed);
@@ -67,7 +67,7 @@ def triggers(kind: str, obj: dict[str, Any]) -> list[Key]:
             keys.append(GANG_PASS)
         if SERVICE_LABEL in labels:
             keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
-    elif kind in ("Deployment", "ConfigMap", "Service", "NetworkPolicy"):
+    elif kind in ("Deployment", "ConfigMap", "Service", "NetworkPolicy", "PodDisruptionBudget"):
         if SERVICE_LABEL in labels:
             keys.append(("InferenceService", ns, labels[SERVICE_LABEL]))
         elif kind == "Service" and SLICE_LABEL in labels:

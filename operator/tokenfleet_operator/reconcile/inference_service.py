@@ -125,7 +125,7 @@ def _serving_pods(ctx: Context, namespace: str, name: str) -> list[dict[str, Any
 
 
 # Children whose refusal shows in RouterReady (besides Ready); a refused Slice shows in SlicesReady.
-ROUTER_KINDS = ("ConfigMap", "Deployment", "Service")
+ROUTER_KINDS = ("ConfigMap", "Deployment", "Service", "PodDisruptionBudget")
 DEFAULT_KEYS = ReplicaKeys()
 
 
@@ -297,7 +297,7 @@ def reconcile_inference_service(ctx: Context, namespace: str, name: str, *, poli
     wiring = Wiring(replica_key(p, keys, replicas), operator_namespace, router_image)  # the router-to-replica key
     children = desired_children(p.owner, p.valid_spec, endpoints_config(list(replicas.serving_pods),
                                                                         replicas.draining), wiring, replicas.count)
-    live = apply_router_children(p, children)             # router ConfigMap, Deployment, Services, NetworkPolicy
+    live = apply_router_children(p, children)             # router ConfigMap, Deployment, Services, PDB, NetworkPolicy
     plan, slices = apply_slices(p, replicas, children)    # create or update the Slices the rollout allows
     delete_surplus_slices(p, replicas, plan, slices)      # Slices beyond the count, once drained
     status = write_service_status(p, replicas, children, slices, live)  # status, conditions and their Events

@@ -44,6 +44,7 @@ from tokenfleet_serving.openai.protocol import parse_json_body
 from tokenfleet_serving.openai.sse import DONE_EVENT, SseEvents, error_event, event_json, is_done, sse_event
 from tokenfleet_serving.router.auth import ClientKeys
 from tokenfleet_serving.router.backend_runtime import RUNTIME, TOKENFLEET, VLLM
+from tokenfleet_serving.router.drain import OpenRequests
 from tokenfleet_serving.router.kv_events import Subscriptions
 from tokenfleet_serving.router.metrics import RouterMetrics
 from tokenfleet_serving.router.migration import (
@@ -188,6 +189,7 @@ class Router:
         self.metrics.idle_s = lambda: self.fleet.clock() - self.last_request_at
         self.sequence = itertools.count()
         self.draining = False
+        self.open_requests = OpenRequests(lambda: self.draining)     # what a drain waits for (drain.py)
         self._endpoints_text: bytes | None = None
         self._endpoints_problem: str | None = None
         self._tasks: list[asyncio.Task] = []
@@ -197,7 +199,7 @@ class Router:
         self.app = self._build_app(max_body_bytes)
 
     def _build_app(self, max_body_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self.open_requests.track, self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -395,8 +397,6 @@ class Router:
         return True
 
     async def _generate(self, request: web.Request, kind: str, path: str) -> web.StreamResponse:
-        if self.draining:
-            return error_response(503, "the router is shutting down", retry_after=True)
         session = self._session_id(request)
         reserved = 0
         if not self.fleet.routable():
@@ -882,9 +882,10 @@ class Router:
             return self._no_backend(self.config.tiers[-1].name)
         return web.json_response({"object": "list", "data": list(merged.values())})
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests (readiness 503), then wait for open ones to finish."""
+    async def drain(self, timeout_s: float, min_s: float = 0.0) -> None:
+        """Readiness 503 at once; keep serving for at least ``min_s`` and until no request is open, up to
+        ``timeout_s`` (``drain.py``)."""
         self.draining = True
-        deadline = self.fleet.clock() + timeout_s
-        while any(b.inflight for b in self.fleet.backends.values()) and self.fleet.clock() < deadline:
-            await asyncio.sleep(0.1)
+        left = await self.open_requests.wait_until_done(min_s, timeout_s)
+        if left:
+            log.warning("drain: %d requests still open after %.0f s; they end with the router", left, timeout_s)

@@ -1,7 +1,8 @@
 """``tokenfleet route --config /etc/tokenfleet/router.json``: the cache- and load-aware router.
 
-Exit codes: 0 after SIGTERM/SIGINT (open requests finish first, up to
---drain-timeout), 2 for bad arguments, a bad router.json or unreadable client
+Exit codes: 0 after SIGTERM/SIGINT (``/ready`` turns 503; requests that still
+arrive are served for at least --drain-min-seconds, and open ones finish, up to
+--drain-timeout: ``router/drain.py``), 2 for bad arguments, a bad router.json or unreadable client
 keys; the reason also goes, as one line, to the termination log
 (``tokenfleet_serving/contract/termination.py``).
 
@@ -25,11 +26,22 @@ from tokenfleet_serving.contract.termination import CONFIGURATION_EXIT_CODE, Arg
 
 log = logging.getLogger("tokenfleet.router")
 
+# Seconds a stopping router keeps taking new requests: the endpoints controller and the nodes' proxies need
+# about this long to stop sending it any after its readiness turns 503.
+DRAIN_MIN_SECONDS = 5.0
+
 
 def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
 
 
@@ -70,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine the replicas run: tokenfleet (the bundled engine: cached blocks polled from "
                         "/cache/blocks, migration by continuation) or vllm (prefix affinity from the router's own "
                         "record of routed blocks, migration by a token-id continuation prompt); docs/routing.md")
-    p.add_argument("--drain-timeout", type=_positive_float, default=25.0)
+    p.add_argument("--drain-timeout", type=_positive_float, default=25.0,
+                   help="seconds a stopping router has to finish its open requests (routing.drainSeconds)")
+    p.add_argument("--drain-min-seconds", type=_non_negative_float, default=DRAIN_MIN_SECONDS,
+                   help="seconds a stopping router keeps serving new requests while its Service takes it out of "
+                        "its endpoints (capped by --drain-timeout)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,7 +108,7 @@ def load_tokenizer(model_dir: str | None):
 
 
 async def run(router, host: str, port: int, drain_timeout_s: float, *, on_listening=None,
-              stop: asyncio.Event | None = None, header_timeout_s: float = 10.0) -> int:
+              stop: asyncio.Event | None = None, header_timeout_s: float = 10.0, drain_min_s: float = 0.0) -> int:
     from aiohttp import web
 
     from tokenfleet_serving.server.connection import GuardedAppRunner
@@ -113,7 +129,9 @@ async def run(router, host: str, port: int, drain_timeout_s: float, *, on_listen
         on_listening(bound)
     try:
         await stop.wait()
-        await router.drain(drain_timeout_s)
+        log.info("stopping: /ready is 503; serving for %.0f s more at least, until no request is open "
+                 "(at most %.0f s)", min(drain_min_s, drain_timeout_s), drain_timeout_s)
+        await router.drain(drain_timeout_s, drain_min_s)
     finally:
         await runner.cleanup()
     return 0
@@ -153,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_held_bytes=args.max_held_bytes, max_sessions=args.max_sessions,
                     stall_timeout_s=args.stall_timeout, backend_runtime=args.backend_runtime,
                     target_tokenizers=target_tokenizers)
-    return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout))
+    return asyncio.run(run(router, args.host, args.port, args.drain_timeout, header_timeout_s=args.header_timeout,
+                           drain_min_s=args.drain_min_seconds))
 
 
 if __name__ == "__main__":

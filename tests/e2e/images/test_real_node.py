@@ -159,7 +159,7 @@ def test_an_inference_service_serves_from_the_serving_image_on_the_node(plane, o
         raise AssertionError(f"{e}\n{_pod_logs(plane, get_json(plane, 'pods', '-n', NAMESPACE)['items'])}") from None
     engines = ready_pods(plane, NAMESPACE, "tokenfleet.dev/inference-service=tiny,tokenfleet.dev/role=serve")
     routers = ready_pods(plane, NAMESPACE, "tokenfleet.dev/inference-service=tiny,tokenfleet.dev/role=router")
-    assert len(engines) == 1 and len(routers) == 1
+    assert len(engines) == 1 and len(routers) == 2         # routing.replicas defaults to 2
     for pod in engines + routers:
         assert pod["spec"]["nodeName"] == node
         assert ipaddress.ip_address(pod["status"]["podIP"]) in POD_NETWORK
@@ -167,7 +167,7 @@ def test_an_inference_service_serves_from_the_serving_image_on_the_node(plane, o
     print(f"serving pod created -> Ready in {pod_startup_seconds(engines[0]):.0f}s on {node}")
     slices = get_json(plane, "endpointslices", "-n", NAMESPACE)["items"]
     addresses = {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
-    assert engines[0]["status"]["podIP"] in addresses and routers[0]["status"]["podIP"] in addresses
+    assert {p["status"]["podIP"] for p in engines + routers} <= addresses
 
     port = plane.expose("tiny-router", routers[0]["status"]["podIP"], 8080)
     # the service is Ready when its pods are; the kubelet updates the router's mounted endpoints file up to a

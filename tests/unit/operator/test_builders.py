@@ -30,6 +30,7 @@ def test_children_are_exactly_the_expected_objects():
         ("ConfigMap", "llama-router"),
         ("Deployment", "llama-router"),
         ("NetworkPolicy", "llama-replicas"),
+        ("PodDisruptionBudget", "llama-router"),
         ("Service", "llama"),
         ("Service", "llama-engines"),
         ("Slice", "llama-0"),
@@ -187,7 +188,7 @@ def test_serving_container_has_probes_ports_and_resources():
 
 def test_router_deployment_config_and_services():
     body, spec = build(routing={"policy": "kv-aware", "replicas": 2, "sessionAffinity": {"enabled": True}})
-    cm, deploy, svc, engines, _ = desired_children(body, spec).others
+    cm, deploy, svc, _, engines, _ = desired_children(body, spec).others
     config = json.loads(cm["data"]["router.json"])
     assert config == router_config(body, spec)
     assert config["policy"] == "kv-aware"

@@ -70,7 +70,8 @@ def test_router_mounts_the_model_for_its_tokenizer():
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod_spec["volumes"]
     assert container["command"] == ["tokenfleet", "route", "--config", "/etc/tokenfleet/router.json",
-                                    "--host", "0.0.0.0", "--port", "8080", "--model", "/models/llama-8b"]
+                                    "--host", "0.0.0.0", "--port", "8080", "--model", "/models/llama-8b",
+                                    "--drain-timeout", "30"]
     # a model baked into the image needs no volume
     body, spec = build(model={"path": "/opt/model", "servedModelNames": ["m"]})
     children = desired_children(body, spec)
