@@ -42,8 +42,11 @@ class ContainerLimits:
                 self._warn("cpu", "CPU limits are not enforced: no writable cgroup hierarchy with the cpu controller")
         if memory_bytes is not None:
             if self.memory is not None and self.memory.available:
-                groups.memory = self.memory.group(key, memory_bytes)
-                joins.append(self.memory.enter(groups.memory))
+                try:
+                    groups.memory = self.memory.group(key, memory_bytes)
+                    joins.append(self.memory.enter(groups.memory))
+                except OSError as e:                  # the watchdog holds this one (kill_over_limit)
+                    log.warning("memory limit of %s not set in its cgroup (%s): the watchdog holds it", key, e)
             else:
                 self._warn("memory", "memory limits are not enforced by the kernel: no writable cgroup hierarchy with "
                            f"the memory controller; a watchdog kills a container over its limit (every "
