@@ -10,8 +10,11 @@ Where the budget comes from (at most one of the three fields; the schema refuses
   table ``ACCELERATOR_MEMORY_GIB`` for ``accelerator.type`` (passed as ``--accelerator-memory-bytes`` so the
   server sizes from the same number), else what the server reads from the device; on CPU the container's
   ``resources.limits.memory``, which the server reads from its cgroup;
-* none of them: utilization 0.9 on an accelerator, and on CPU when the replica has a memory limit; otherwise the
-  server's default (512 MiB). A budget flag in ``engine.extraArgs`` replaces the default.
+* none of them: utilization 0.9 on an accelerator, and with ``accelerator.type: cpu`` when the replica has a
+  memory limit; with ``cpu`` and no limit, the server's default (512 MiB). A budget flag in ``engine.extraArgs``
+  replaces the default. (An accelerator-typed replica that runs on the CPU after all, on a node that only
+  pretends to have the device, is capped by the server: at its memory limit, and without one at
+  ``CPU_KV_BYTES_WITHOUT_LIMIT``.)
 
 The check needs the model's shape (``status.modelShape``: layers, KV heads, head width, weight bytes), which the
 operator reads before starting a split model; the server checks the same at start for any replica and exits 1

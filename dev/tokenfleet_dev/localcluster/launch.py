@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cpu_limits import millicores
+from .memory_limits import memory_bytes
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -108,6 +109,7 @@ class ContainerLaunch:
     termination_policy: str = "File"             # File | FallbackToLogsOnError
     empty_dirs: tuple[str, ...] = ()             # local folders standing in for emptyDir volumes (made before start)
     cpu_limit_millicores: int | None = None      # resources.limits.cpu (cpu_limits.py enforces it)
+    memory_limit_bytes: int | None = None        # resources.limits.memory (memory_limits.py enforces it)
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -310,10 +312,15 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
         entrypoint = ["vllm", "serve"] if runtime == VLLM else ["tokenfleet"]
         argv = [expand(a, env) for a in (c.get("command") or entrypoint) + (c.get("args") or [])]
         argv = [resolve_pod_name(bind_to_pod_ip(_map_paths(a, pairs), pod_ip), addresses) for a in argv]
+        limits = (c.get("resources") or {}).get("limits") or {}
         try:
-            cpu_limit = millicores(((c.get("resources") or {}).get("limits") or {}).get("cpu"))
+            cpu_limit = millicores(limits.get("cpu"))
         except ValueError as e:
             raise LaunchError(f"container {c['name']}: resources.limits.cpu: {e}") from None
+        try:
+            memory_limit = memory_bytes(limits.get("memory"))
+        except ValueError as e:
+            raise LaunchError(f"container {c['name']}: resources.limits.memory: {e}") from None
         if runtime == VLLM:
             argv = _vllm_argv(c["name"], argv)
             for k, v in VLLM_ENV_DEFAULTS.items():
@@ -336,7 +343,7 @@ def container_launches(pod: dict, pod_ip: str, host_ip: str, base_env: dict[str,
         env[TERMINATION_ENV] = termination_log
         out.append(ContainerLaunch(c["name"], c["image"], tuple(argv), env, cwd, _probe(c, pod_ip), tuple(files),
                                    termination_log, c.get("terminationMessagePolicy", "File"), tuple(empty_dirs),
-                                   cpu_limit))
+                                   cpu_limit, memory_limit))
     return out
 
 

@@ -38,8 +38,10 @@ from pathlib import Path
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from .container_limits import ContainerLimits, Groups
 from .cpu_limits import CpuLimiter
 from .launch import POD_DNS_NAME, ContainerLaunch, FileVolume, LaunchError, Probe, container_launches, image_runtime, pod_dns_names
+from .memory_limits import WATCH_SECONDS, MemoryLimiter
 from .nodes import KWOK_ANNOTATION
 
 log = logging.getLogger("pod-runner")
@@ -104,7 +106,8 @@ class Running:
     exit_code: int | None = None
     next_restart: float = 0.0
     log: Path | None = None
-    cgroup: Path | None = None     # the group enforcing its CPU limit (cpu_limits.py)
+    groups: Groups = field(default_factory=Groups)   # the cgroups holding it to its limits (container_limits.py)
+    oom_killed: bool = False       # ended for its memory limit: by the kernel's OOM killer, or the watchdog
 
 
 def termination_message(r: Running) -> str:
@@ -142,10 +145,10 @@ class LocalPod:
 
 class PodRunner:
     def __init__(self, api: client.CoreV1Api, image_prefix: str, cidr: str, log_dir: Path,
-                 cpu: CpuLimiter | None = None):
+                 limits: ContainerLimits | None = None):
         self.api = api
-        self.cpu = cpu
-        self._warned_cpu = False
+        self.limits = limits or ContainerLimits()
+        self._next_memory_watch = 0.0
         self.image_prefix = image_prefix
         self.ips = IpPool(cidr)
         self.log_dir = log_dir
@@ -412,9 +415,13 @@ class PodRunner:
             Path(folder).mkdir(parents=True, exist_ok=True)
         out = open(running.log, "ab")
         Path(running.launch.cwd or scratch).mkdir(parents=True, exist_ok=True)
+        running.groups, preexec = self.limits.enter(f"{local.uid}-{running.launch.name}",
+                                                    running.launch.cpu_limit_millicores,
+                                                    running.launch.memory_limit_bytes)
+        running.oom_killed = False
         running.proc = subprocess.Popen(list(running.launch.argv), env=running.launch.env,
                                         cwd=running.launch.cwd or scratch, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=self._cpu_group(local, running))
+                                        stdin=subprocess.DEVNULL, preexec_fn=preexec)
         out.close()
         running.started = now()
         running.ready = False
@@ -423,23 +430,14 @@ class PodRunner:
         probe = running.launch.readiness
         running.next_probe = time.monotonic() + (probe.initial_delay if probe else 0)
 
-    def _cpu_group(self, local: LocalPod, running: Running):
-        """The preexec function that puts a container with a CPU limit into its group, or None."""
-        limit = running.launch.cpu_limit_millicores
-        if limit is None:
-            return None
-        if self.cpu is None or not self.cpu.available:
-            if not self._warned_cpu:
-                self._warned_cpu = True
-                log.warning("CPU limits are not enforced: no writable cgroup hierarchy with the cpu controller")
-            return None
-        running.cgroup = self.cpu.group(f"{local.uid}-{running.launch.name}", limit)
-        return self.cpu.enter(running.cgroup)
-
-    def _release(self, running: Running) -> None:
-        if running.cgroup is not None and self.cpu is not None:
-            self.cpu.remove(running.cgroup)
-            running.cgroup = None
+    def _watch_memory(self, local: LocalPod) -> None:
+        """Where no memory cgroup holds a container to its limit, kill it once it holds more (memory_limits.py)."""
+        for r in (r for r in local.containers if r.proc is not None and r.exit_code is None):
+            held = self.limits.kill_over_limit(r.proc.pid, r.groups, r.launch.memory_limit_bytes)
+            if held is not None:
+                r.oom_killed = True
+                log.warning("%s/%s container %s held %d MiB, over its memory limit: killed", local.namespace,
+                            local.name, r.launch.name, held >> 20)
 
     # ------------------------------------------------------------ supervise
     def probe(self, local: LocalPod, probe: Probe) -> bool:
@@ -469,14 +467,20 @@ class PodRunner:
                             self.write_volumes(local, r.launch)
                         except Exception as e:
                             log.warning("refreshing volumes of %s/%s: %s", local.namespace, local.name, e)
+        watch_memory = t >= self._next_memory_watch
+        if watch_memory:
+            self._next_memory_watch = t + WATCH_SECONDS
         for local in list(self.pods.values()):
             if local.terminating:
                 continue
+            if watch_memory:
+                self._watch_memory(local)
             for r in local.containers:
                 if r.proc is not None and r.exit_code is None and r.proc.poll() is not None:
                     r.exit_code = r.proc.returncode
                     r.ready = False
-                    self._release(r)
+                    r.oom_killed = r.oom_killed or self.limits.oom_killed(r.groups)
+                    self.limits.release(r.groups)
                     log.info("%s/%s container %s exited %s", local.namespace, local.name, r.launch.name, r.exit_code)
                     if local.restart_policy == "Always" or (local.restart_policy == "OnFailure" and r.exit_code):
                         r.next_restart = t + min(2 ** r.restarts, 30)
@@ -524,8 +528,12 @@ class PodRunner:
         if r.exit_code is None:
             state = {"running": {"startedAt": r.started}}
         else:
-            state = {"terminated": {"exitCode": r.exit_code, "startedAt": r.started, "finishedAt": now(),
-                                    "reason": "Completed" if r.exit_code == 0 else "Error"}}
+            # a process ended by a signal exits 128 + its number, as a container runtime reports it; a container
+            # in which the OOM killer (or the watchdog) ended a process is OOMKilled, whatever its code
+            code = 128 - r.exit_code if r.exit_code < 0 else r.exit_code
+            reason = "OOMKilled" if r.oom_killed else "Completed" if code == 0 else "Error"
+            state = {"terminated": {"exitCode": code, "startedAt": r.started, "finishedAt": now(),
+                                    "reason": reason}}
             message = termination_message(r)
             if message:
                 state["terminated"]["message"] = message
@@ -577,7 +585,7 @@ class PodRunner:
                 p.kill()
                 p.wait()
         for r in local.containers:
-            self._release(r)
+            self.limits.release(r.groups)
         log.info("stopped %s/%s (%s)", local.namespace, local.name,
                  ", ".join(f"{r.launch.name}={r.proc.returncode if r.proc else None}" for r in local.containers))
         self._finalize_delete(local.namespace, local.name, local.uid)
@@ -624,8 +632,7 @@ class PodRunner:
                 except Exception:
                     log.exception("tick failed")
         self.stop_all()
-        if self.cpu is not None:
-            self.cpu.close()
+        self.limits.close()
 
 
 def _ready_condition(obj: dict) -> bool | None:
@@ -651,7 +658,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu.remove_stale("tokenfleet-pod-runner-")
     if cpu.available:
         log.info("CPU limits enforced in %s", cpu.base)
-    runner = PodRunner(client.CoreV1Api(), args.image_prefix, args.cidr, log_dir, cpu=cpu)
+    memory = MemoryLimiter(f"tokenfleet-pod-runner-{os.getpid()}")
+    memory.remove_stale("tokenfleet-pod-runner-")
+    if memory.available:
+        log.info("memory limits enforced in %s", memory.base)
+    runner = PodRunner(client.CoreV1Api(), args.image_prefix, args.cidr, log_dir,
+                       limits=ContainerLimits(cpu, memory))
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stopping.set())
     runner.run(ready_file=log_dir.parent / "pod-runner.ready")

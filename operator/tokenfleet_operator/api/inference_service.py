@@ -229,7 +229,9 @@ class EngineSpec(ApiModel):
         "(tokenfleet serve --kv-cache-memory-bytes, as vLLM's flag). At most one of kvCacheMemory, "
         "acceleratorMemoryUtilization and kvCacheMb. Unset, with neither of the others: on an accelerator 0.9 of "
         "its memory less the weights and 1 GiB of headroom (acceleratorMemoryUtilization 0.9); on CPU the same "
-        "fraction of resources.limits.memory when the replica has a memory limit, else the server's 512 MiB. A "
+        "fraction of resources.limits.memory when the replica has a memory limit, else (accelerator.type cpu) the "
+        "server's 512 MiB; a rank that runs on the CPU whatever its type takes at most its memory limit, and "
+        "without one at most 4 GiB. A "
         "maxModelLen whose context the budget cannot hold once is refused (reason KVCacheTooSmall), and so is a "
         "size larger than a rank's memory as the operator knows it (resources.limits.memory on CPU, else "
         "accelerator.memoryPerDevice or the accelerator type's; reason KVCacheTooLarge).",

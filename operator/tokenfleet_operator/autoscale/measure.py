@@ -190,10 +190,12 @@ def trend(points: list[tuple[float, float]], significance: float = 0.0) -> float
 
 def _idle(r: RouterReading, serving_s: float | None) -> float:
     """Seconds without a request while the service could serve: the router's idle time, but no longer than
-    ``serving_s``, how long its longest-ready replica has been ready (``startup.serving_seconds``): a replica that
-    just came up has not had its chance to get a request. None: no replica is ready, the router's time stands."""
-    idle = r.idle_s or 0.0
-    return idle if serving_s is None else min(idle, max(serving_s, 0.0))
+    ``serving_s``, how long the service has been able to serve (``startup.ServingSince``: since its first replica
+    became Ready). None: it never could (its replicas are starting, however long a model takes to load, or
+    failing before they were ever Ready): it is not idle, whatever the router's idle time."""
+    if serving_s is None:
+        return 0.0
+    return min(r.idle_s or 0.0, max(serving_s, 0.0))
 
 
 def signals(history: ReadingHistory | None, ready_serving_pods: set[str], window_s: float = 0.0,

@@ -36,9 +36,9 @@ the load wanders across it. The largest need wins, within [minReplicas, maxRepli
   queueing part of TTFT grows faster than the load per replica); requests in flight stay low until a replica
   saturates, so they alone would take a fleet down to a size that then misses;
 - **zero**: with ``minReplicas: 0`` a service with no request for ``scaleToZeroAfterSeconds`` goes to zero,
-  counted back no further than its longest-ready replica became ready (one whose replicas are all starting has not had
-  its chance to serve; a replica stuck for long is not starting, ``startup.starting_replicas``), and a request
-  held by the router brings it back to one (or minReplicas) at once;
+  counted back no further than it could first serve (``Signals.idle_s``: since its first replica became Ready,
+  ``startup.ServingSince``; a service that never could is not idle, however long its model loads), and a
+  request held by the router brings it back to one (or minReplicas) at once;
 - **limits**: when the needs exceed maxReplicas the recommendation says so (``limited``), and the operator
   shows it as a condition: an SLO that cannot be met at maxReplicas is reported, never chased in a loop.
 """

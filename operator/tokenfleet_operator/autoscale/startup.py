@@ -7,6 +7,7 @@ the engine's warm-up, whatever they cost on this cluster.
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet_operator import conditions as cond
@@ -65,6 +66,28 @@ def serving_seconds(pods: list[dict[str, Any] | None], now: dt.datetime) -> floa
             continue
         longest = seconds if longest is None else max(longest, seconds)
     return longest
+
+
+@dataclass
+class ServingSince:
+    """Since when a service has been able to serve, on the monotonic clock: the Ready transition of the first of
+    its replicas to become Ready, remembered while it keeps replicas (one that was Ready and then fails has had
+    its chance: the service that served is idle once no request comes). A service scaled to zero starts again
+    with none: its next replica has to become Ready first. Kept in memory: a new leader waits for a Ready replica.
+    """
+
+    at: float | None = None
+
+    def seconds(self, now: float, current: int, ready_s: float | None) -> float | None:
+        """How long the service has been able to serve, given ``ready_s`` (``serving_seconds`` of its replicas
+        now); None while it never was since it last had no replica. ``current``: the replicas it runs."""
+        if current == 0:
+            self.at = None
+            return None
+        if ready_s is not None:
+            since = now - max(ready_s, 0.0)
+            self.at = since if self.at is None else min(self.at, since)
+        return None if self.at is None else now - self.at
 
 
 # A replica not Ready after this many startups (and at least STARTING_MIN_S) is stuck, not starting: it no longer

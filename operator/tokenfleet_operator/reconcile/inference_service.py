@@ -167,8 +167,9 @@ def _scale(ctx: Context, body: dict[str, Any], spec: InferenceServiceSpec, ready
     if current is None or old.get("autoscaling") is None:      # the autoscaler was just turned on
         current = max(t.min_replicas, min(t.max_replicas, spec.replicas))
     now = dt.datetime.now(dt.UTC)
+    serving_s = ctx.memory.serving.seconds(time.monotonic(), current, serving_seconds([pod for _, _, pod in replicas], now))
     sig = signals(history, ready_pods, spec.autoscaling.metric_window_seconds, startup_s, spec.slo.percentile / 100,
-                  serving_seconds([pod for _, _, pod in replicas], now))
+                  serving_s)
     starting = starting_replicas(current, replicas, now, startup_s)
     rec = recommend(t, current, sig, ctx.memory.recommendations, time.monotonic(), starting)
     status: dict[str, Any] = {

@@ -9,7 +9,10 @@ A budget comes from one of (the operator's fields / the server's flags):
   vLLM's flag): that fraction of the accelerator's memory (on CPU, of the container's memory limit), less the
   rank's weights and ``HEADROOM_BYTES`` for activations, workspaces and the runtime. The operator takes the
   accelerator's memory from ``accelerator.memoryPerDevice`` or from ``ACCELERATOR_MEMORY_GIB``; the server
-  reads it from the device (CUDA) or the cgroup (CPU).
+  reads it from the device (CUDA) or the cgroup (CPU). A rank that runs on the CPU with no memory limit (an
+  accelerator-typed pod on a node that only pretends to have the device, or a bare ``tokenfleet serve``) shares a
+  host whose size says nothing of its share: it takes the same rule over the host's memory, but never more than
+  ``CPU_KV_BYTES_WITHOUT_LIMIT`` (4 GiB, as vLLM's CPU build defaults ``VLLM_CPU_KVCACHE_SPACE``).
 
 A context of ``max_model_len`` tokens needs ``ceil(max_model_len / block_size)`` blocks of ``block_size *
 kv_bytes_per_token`` bytes (``levers.kv_bytes_per_token``: the rank's KV heads, the dtype, ``kvCacheDtype``).
@@ -25,6 +28,8 @@ from .levers import kv_bytes_per_token
 GIB = 1 << 30
 DEFAULT_UTILIZATION = 0.9          # vLLM's --gpu-memory-utilization default
 HEADROOM_BYTES = 1 * GIB           # activations, workspaces, CUDA context / Python and torch on CPU
+# The most a utilization rule gives a CPU rank without a memory limit (vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=4).
+CPU_KV_BYTES_WITHOUT_LIMIT = 4 * GIB
 
 # Memory per device of the accelerator types the docs name (GiB as the vendors state it, in binary units as
 # Kubernetes quantities count them); accelerator.memoryPerDevice overrides it, and is needed for any other type.
@@ -49,6 +54,11 @@ def budget_from_memory(memory_bytes: int, utilization: float, weight_bytes: int,
                        headroom_bytes: int = HEADROOM_BYTES) -> int:
     """KV bytes left of ``utilization`` x ``memory_bytes`` after the weights and the headroom (may be <= 0)."""
     return int(memory_bytes * utilization) - weight_bytes - headroom_bytes
+
+
+def bounded_without_limit(budget_bytes: int) -> int:
+    """A CPU rank's utilization budget when it has no memory limit: at most CPU_KV_BYTES_WITHOUT_LIMIT."""
+    return min(budget_bytes, CPU_KV_BYTES_WITHOUT_LIMIT)
 
 
 def tokens_that_fit(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..contract.kv_budget import HEADROOM_BYTES, budget_from_memory
+from ..contract.kv_budget import HEADROOM_BYTES, bounded_without_limit, budget_from_memory
 from .config import ModelConfig
 from .distributed import ParallelConfig, ProcessGroup, RankFailure, check_identities, checkpoint_identity, join
 from .loader import load_checkpoint
@@ -81,17 +81,8 @@ def load_rank(setup: RankSetup, model_dir: str, device: torch.device, group: Pro
     block_bytes = runner.kv_block_bytes(setup.block_size)
     budget = setup.kv_cache_bytes
     if setup.memory_utilization is not None:
-        memory = usable_memory_bytes(device, setup.device_memory_bytes)
-        budget = budget_from_memory(memory, setup.memory_utilization, runner.weight_bytes())
-        log.info("KV cache budget %d MiB: %.2f of %d MiB, less %d MiB of weights and %d MiB of headroom",
-                 budget >> 20, setup.memory_utilization, memory >> 20, runner.weight_bytes() >> 20, HEADROOM_BYTES >> 20)
-        if budget < block_bytes:
-            raise ValueError(
-                f"--gpu-memory-utilization {setup.memory_utilization} (engine.acceleratorMemoryUtilization) leaves no "
-                f"room for the KV cache: {setup.memory_utilization} x {memory >> 20} MiB of "
-                f"{'accelerator memory' if device.type != 'cpu' else 'memory limit'} less {runner.weight_bytes() >> 20} "
-                f"MiB of weights and {HEADROOM_BYTES >> 20} MiB of headroom is {budget >> 20} MiB; raise it, the memory "
-                "(resources.limits.memory on CPU), or set --kv-cache-memory-bytes")
+        budget = utilization_budget(device, setup.memory_utilization, setup.device_memory_bytes,
+                                    runner.weight_bytes(), block_bytes)
     else:
         _check_fits(budget, device, setup.device_memory_bytes)
     num_blocks = budget // block_bytes
@@ -110,6 +101,31 @@ def _check_fits(budget: int, device: torch.device, stated: int | None) -> None:
             f"--kv-cache-memory-bytes / --kv-cache-mb (engine.kvCacheMemory / kvCacheMb) of {budget >> 20} MiB is "
             f"more than this rank's {memory >> 20} MiB of {'accelerator memory' if device.type != 'cpu' else 'memory'}"
             "; lower it, or size the cache with --gpu-memory-utilization (engine.acceleratorMemoryUtilization)")
+
+
+def utilization_budget(device: torch.device, utilization: float, stated: int | None, weight_bytes: int,
+                       block_bytes: int) -> int:
+    """The KV budget of ``--gpu-memory-utilization``: that fraction of the usable memory less the weights and the
+    headroom. A CPU rank with no memory limit shares a host whose size is no measure of its share (other
+    replicas, other pods): it takes at most CPU_KV_BYTES_WITHOUT_LIMIT, never a fraction of the whole host."""
+    memory = usable_memory_bytes(device, stated)
+    budget = budget_from_memory(memory, utilization, weight_bytes)
+    if device.type == "cpu" and cgroup_memory_limit() is None and bounded_without_limit(budget) < budget:
+        log.info("KV cache budget %d MiB: the most a CPU rank without a memory limit takes (%.2f of the host's %d MiB "
+                 "would be %d MiB); set resources.limits.memory, or --kv-cache-memory-bytes "
+                 "(engine.kvCacheMemory), for more", bounded_without_limit(budget) >> 20, utilization, memory >> 20,
+                 budget >> 20)
+        return bounded_without_limit(budget)
+    log.info("KV cache budget %d MiB: %.2f of %d MiB, less %d MiB of weights and %d MiB of headroom",
+             budget >> 20, utilization, memory >> 20, weight_bytes >> 20, HEADROOM_BYTES >> 20)
+    if budget < block_bytes:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} (engine.acceleratorMemoryUtilization) leaves no "
+            f"room for the KV cache: {utilization} x {memory >> 20} MiB of "
+            f"{'accelerator memory' if device.type != 'cpu' else 'memory limit'} less {weight_bytes >> 20} "
+            f"MiB of weights and {HEADROOM_BYTES >> 20} MiB of headroom is {budget >> 20} MiB; raise it, the memory "
+            "(resources.limits.memory on CPU), or set --kv-cache-memory-bytes")
+    return budget
 
 
 def usable_memory_bytes(device: torch.device, stated: int | None) -> int:
@@ -139,25 +155,39 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def cgroup_memory_limit(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
-    """This process's cgroup memory limit in bytes, or None without one."""
+    """This process's cgroup memory limit in bytes, or None without one: the smallest limit of its group and the
+    groups above it that this process can see (a group nested in a limited one, as the local pod runner nests a
+    pod's, is held to its parent's limit too)."""
     try:
         lines = Path(membership).read_text().splitlines()
     except OSError:
         return None
+    limits = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
-        candidates = ([Path(root) / rel / "memory.max"] if controllers == ""
-                      else [Path(root) / controllers / rel / "memory.limit_in_bytes"] if "memory" in controllers.split(",")
-                      else [])
-        for file in candidates:
-            try:
-                text = file.read_text().strip()
-            except OSError:
-                continue
-            if text != "max" and int(text) < 1 << 60:           # v1 writes a huge number for "no limit"
-                return int(text)
-    return None
+        if controllers == "":
+            base, name = Path(root), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = Path(root) / controllers, "memory.limit_in_bytes"
+        else:
+            continue
+        group = base / path.lstrip("/")
+        for folder in (group, *group.parents):
+            limits += _limit_in(folder / name)
+            if folder == base:
+                break
+    return min(limits) if limits else None
+
+
+def _limit_in(file: Path) -> list[int]:
+    """The limit a cgroup memory file holds ([] for none, or where it cannot be read)."""
+    try:
+        text = file.read_text().strip()
+    except OSError:
+        return []
+    if text == "max" or not text.isdigit() or int(text) >= 1 << 60:     # v1 writes a huge number for "no limit"
+        return []
+    return [int(text)]
 
 
 def rank_threads(parallel: ParallelConfig, usable: int) -> int:

@@ -77,7 +77,7 @@ def test_signals_from_the_ready_replicas_and_the_last_minute():
     h = history((0, reading(), 2),
                 (60, reading(met=9, missed=1, load={"a-0": 5, "b-0": 3, "gone-0": 50}, kv={"a-0": 0.5, "b-0": 0.3},
                              pending=2, idle=4.0), 2))
-    s = signals(h, {"a-0", "b-0"})
+    s = signals(h, {"a-0", "b-0"}, serving_s=600.0)
     assert (s.ready_replicas, s.requests, s.kv_cache_usage, s.slo_attainment, s.pending, s.idle_s) == \
         (2, 10, pytest.approx(0.4), 0.9, 2, 4.0)
     assert signals(None, set()) is None
@@ -244,8 +244,8 @@ def test_idle_counts_from_when_the_first_replica_became_ready():
     # the service could serve
     h = history((0, reading(idle=90), 0), (10, reading(load={"a": 0}, idle=100), 1))
     assert signals(h, {"a"}, serving_s=10.0).idle_s == 10
-    # none ready: the router's idle time stands (the policy knows whether replicas are starting)
-    assert signals(h, set()).idle_s == 100
+    # never able to serve (no replica was ever Ready): not idle, however long the router was
+    assert signals(h, set()).idle_s == 0
     # a replica ready for longer than the router was idle, and a request that reset the router's idle time
     assert signals(h, {"a"}, serving_s=500.0).idle_s == 100
     h = history((0, reading(load={"a": 0}, idle=3), 1))

@@ -70,3 +70,50 @@ def test_a_budget_larger_than_the_ranks_memory_is_refused_naming_the_field(llama
     before the allocation, naming the flag and the operator's field."""
     with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes.*engine\.kvCacheMemory.*more than this rank"):
         LLMEngine.from_pretrained(llama_dir, dtype="float32", kv_cache_bytes=1 << 50, block_size=4)
+
+
+# ---- the KV budget of a CPU rank without a memory limit (issue 48, item 1) ------------------------------------
+def test_a_cpu_rank_without_a_memory_limit_takes_a_bounded_kv_budget_never_a_share_of_the_host(monkeypatch):
+    import os
+
+    import torch
+
+    from tokenfleet_serving.contract.kv_budget import CPU_KV_BYTES_WITHOUT_LIMIT, GIB, HEADROOM_BYTES
+    from tokenfleet_serving.engine import worker
+
+    cpu, block = torch.device("cpu"), 1 << 16
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(worker, "cgroup_memory_limit", lambda: None)          # a pod with no memory limit
+    # an accelerator-typed service (--accelerator-memory-bytes of an H100) on a node that only pretends to have it
+    for stated in (None, 80 * GIB):
+        assert worker.utilization_budget(cpu, 0.9, stated, 0, block) == \
+            min(CPU_KV_BYTES_WITHOUT_LIMIT, int(0.9 * host) - HEADROOM_BYTES)
+    assert CPU_KV_BYTES_WITHOUT_LIMIT == 4 * GIB
+    # with a limit, the utilization rule holds: a fraction of the limit, less weights and headroom
+    monkeypatch.setattr(worker, "cgroup_memory_limit", lambda: 12 * GIB)
+    assert worker.utilization_budget(cpu, 0.9, 80 * GIB, GIB, block) == int(0.9 * 12 * GIB) - GIB - HEADROOM_BYTES
+
+
+def test_the_memory_limit_is_the_smallest_of_the_group_and_the_groups_above_it(tmp_path):
+    from tokenfleet_serving.engine.worker import cgroup_memory_limit
+
+    def write(path, text):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ("memory.limit_in_bytes" if "memory" in path.parts else "memory.max")).write_text(text)
+
+    membership = tmp_path / "cgroup"
+    # cgroup v1: a pod's group with no limit of its own, nested in the runner's, which has one
+    write(tmp_path / "memory", "9223372036854771712")
+    write(tmp_path / "memory" / "runner", str(3 << 30))
+    write(tmp_path / "memory" / "runner" / "pod", "9223372036854771712")
+    membership.write_text("5:cpu:/\n4:memory:/runner/pod\n")
+    assert cgroup_memory_limit(str(tmp_path), str(membership)) == 3 << 30
+    write(tmp_path / "memory" / "runner" / "pod", str(1 << 30))
+    assert cgroup_memory_limit(str(tmp_path), str(membership)) == 1 << 30
+    # cgroup v2
+    write(tmp_path / "a", str(2 << 30))
+    write(tmp_path / "a" / "b", "max")
+    membership.write_text("0::/a/b\n")
+    assert cgroup_memory_limit(str(tmp_path), str(membership)) == 2 << 30
+    membership.write_text("0::/\n")
+    assert cgroup_memory_limit(str(tmp_path), str(membership)) is None
