@@ -44,6 +44,7 @@ def test_demo_streams_an_answer_and_shows_the_tables(tmp_path):
     assert row, out[-3000:]
     assert float(row.group(1)) == 5.8 and float(row.group(2)) > 0 and 0 <= float(row.group(3)) <= 1
     assert re.search(r"tiny-llama-0\s+nvidia-h100-80gb\s+1\s+1\s+1\s+Ready", out)
-    # Every pod of the demo ran on a KWOK node with a loopback pod IP.
-    assert len(re.findall(r"Running\s+0\s+\S+\s+127\.2\.\d+\.\d+\s+kwok-gpu-\d", out)) == 3
+    # Every pod of the demo (two replicas, two router pods: routing.replicas' default) ran on a KWOK node with a
+    # loopback pod IP.
+    assert len(re.findall(r"Running\s+0\s+\S+\s+127\.2\.\d+\.\d+\s+kwok-gpu-\d", out)) == 4
     assert foreign == [], foreign
