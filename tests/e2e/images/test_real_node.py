@@ -65,7 +65,7 @@ def test_demo_real_node_runs_the_service_in_real_containers(plane_dir):
     # $/h, $/MTok and Goodput measured, then the reason
     assert re.search(r"tiny-llama\s+tiny-llama\s+cpu\s+2\s+2\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+Serving", out), out[-3000:]
     pods = re.findall(r"(tiny-llama-\S+)\s+1/1\s+Running\s+\d+\s+\S+\s+(\S+)\s+(\S+)", out)
-    assert len(pods) == 3, out[-3000:]
+    assert len(pods) == 4, out[-3000:]              # two replicas and two router pods (routing.replicas' default)
     assert all(node == "kubelet-0" and ipaddress.ip_address(ip) in POD_NETWORK for _, ip, node in pods)
     startup = re.search(r"node kubelet-0 Ready ([\d.]+)s after it started; serving pods created → Ready in (.*)", out)
     assert startup, out[-3000:]
