@@ -27,7 +27,7 @@ def serve(tmp_path, *args: str, model: str | None = None) -> tuple[subprocess.Co
     (["--data-parallel-size", "8"], "unrecognized arguments: --data-parallel-size 8"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1"),
-    (["--body-timeout", "-1"], "argument --body-timeout: must be a number > 0"),
+    (["--body-timeout", "-1"], "argument --body-timeout: must be seconds in (0, 86400], got -1"),
 ])
 def test_bad_arguments_exit_2_with_the_reason_in_the_termination_log(tmp_path, args, reason):
     proc, message = serve(tmp_path, *args)
