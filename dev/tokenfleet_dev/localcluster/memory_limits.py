@@ -27,10 +27,11 @@ import math
 import os
 import re
 import signal
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from decimal import Decimal
 from pathlib import Path
+
+from .cgroup_groups import ContainerGroups, Hierarchy
 
 WATCH_SECONDS = 1.0                       # how often the watchdog looks, where no cgroup enforces a limit
 
@@ -57,14 +58,8 @@ def memory_bytes(quantity: str | int | float | None) -> int | None:
     return math.ceil(value)
 
 
-@dataclass(frozen=True)
-class MemoryHierarchy:
-    root: Path                 # where the runner's group goes
-    version: int               # 1 (memory controller) or 2 (unified, memory.max)
-
-
 def find_memory_hierarchy(mount: Path = Path("/sys/fs/cgroup"),
-                          membership: Path = Path("/proc/self/cgroup")) -> MemoryHierarchy | None:
+                          membership: Path = Path("/proc/self/cgroup")) -> Hierarchy | None:
     """A writable cgroup hierarchy with the memory controller, or None."""
     try:
         lines = membership.read_text().splitlines()
@@ -75,39 +70,26 @@ def find_memory_hierarchy(mount: Path = Path("/sys/fs/cgroup"),
         if "memory" in controllers.split(","):
             own = mount / controllers / path.lstrip("/")
             if (own / "memory.limit_in_bytes").exists() and os.access(own, os.W_OK):
-                return MemoryHierarchy(own, 1)
+                return Hierarchy(own, 1)
     controllers_file = mount / "cgroup.controllers"
     if controllers_file.exists() and "memory" in controllers_file.read_text().split() and os.access(mount, os.W_OK):
         if "memory" in (mount / "cgroup.subtree_control").read_text().split():
-            return MemoryHierarchy(mount, 2)
+            return Hierarchy(mount, 2)
     return None
 
 
-class MemoryLimiter:
+class MemoryLimiter(ContainerGroups):
     """Memory groups for the containers of one runner (``name``: unique per plane, the CPU limiter's name)."""
 
-    def __init__(self, name: str, hierarchy: MemoryHierarchy | None = None):
-        self.hierarchy = hierarchy if hierarchy is not None else find_memory_hierarchy()
-        self.base: Path | None = None
-        if self.hierarchy is not None:
-            base = self.hierarchy.root / name
-            try:
-                base.mkdir(exist_ok=True)
-                if self.hierarchy.version == 2:       # let the containers' groups below have memory.max
-                    (base / "cgroup.subtree_control").write_text("+memory")
-                self.base = base
-            except OSError:
-                self.base = None
+    CONTROLLER = "memory"
 
-    @property
-    def available(self) -> bool:
-        return self.base is not None
+    def __init__(self, name: str, hierarchy: Hierarchy | None = None):
+        super().__init__(name, hierarchy if hierarchy is not None else find_memory_hierarchy())
 
     def group(self, key: str, limit_bytes: int) -> Path:
         """Make (or reuse) the group of one container with its limit; returns its folder."""
-        assert self.base is not None and self.hierarchy is not None
-        path = self.base / key
-        path.mkdir(exist_ok=True)
+        path = self._container_group(key)
+        assert self.hierarchy is not None
         if self.hierarchy.version == 1:
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
         else:
@@ -129,43 +111,6 @@ class MemoryLimiter:
             if key == "oom_kill" and value.strip().isdigit():
                 return int(value)
         return 0
-
-    @staticmethod
-    def enter(path: Path) -> Callable[[], None]:
-        """For ``subprocess.Popen(preexec_fn=...)``: the child moves itself into the group before it executes."""
-        procs = str(path / "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write("0")
-        return join
-
-    def remove(self, path: Path) -> None:
-        try:
-            path.rmdir()
-        except OSError:
-            pass
-
-    def remove_stale(self, prefix: str) -> None:
-        """Remove the groups that runners of earlier planes, killed before they could, left behind: those named
-        ``prefix`` + the pid of a process that is gone."""
-        if self.hierarchy is None:
-            return
-        for runner in self.hierarchy.root.glob(prefix + "*"):
-            pid = runner.name[len(prefix):]
-            if runner == self.base or not runner.is_dir() or not pid.isdigit() or Path(f"/proc/{pid}").exists():
-                continue
-            self._remove_runner_groups(runner)
-
-    def close(self) -> None:
-        if self.base is not None and self.base.exists():
-            self._remove_runner_groups(self.base)
-
-    def _remove_runner_groups(self, runner: Path) -> None:
-        for child in runner.iterdir():
-            if child.is_dir():
-                self.remove(child)
-        self.remove(runner)
 
 
 # ---------------------------------------------------------------- the watchdog, where no cgroup can be written
