@@ -110,12 +110,12 @@ def utilization_budget(device: torch.device, utilization: float, stated: int | N
     replicas, other pods): it takes at most CPU_KV_BYTES_WITHOUT_LIMIT, never a fraction of the whole host."""
     memory = usable_memory_bytes(device, stated)
     budget = budget_from_memory(memory, utilization, weight_bytes)
-    if device.type == "cpu" and cgroup_memory_limit() is None and bounded_without_limit(budget) < budget:
+    capped = bounded_without_limit(budget) if device.type == "cpu" and cgroup_memory_limit() is None else budget
+    if capped < budget:
         log.info("KV cache budget %d MiB: the most a CPU rank without a memory limit takes (%.2f of the host's %d MiB "
                  "would be %d MiB); set resources.limits.memory, or --kv-cache-memory-bytes "
-                 "(engine.kvCacheMemory), for more", bounded_without_limit(budget) >> 20, utilization, memory >> 20,
-                 budget >> 20)
-        return bounded_without_limit(budget)
+                 "(engine.kvCacheMemory), for more", capped >> 20, utilization, memory >> 20, budget >> 20)
+        return capped
     log.info("KV cache budget %d MiB: %.2f of %d MiB, less %d MiB of weights and %d MiB of headroom",
              budget >> 20, utilization, memory >> 20, weight_bytes >> 20, HEADROOM_BYTES >> 20)
     if budget < block_bytes:
